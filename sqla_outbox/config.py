@@ -1,0 +1,405 @@
+"""One frozen settings object for the API side, the relay and the worker.
+
+Only the composition root (the CLI, or the application's start-up code) calls
+:meth:`OutboxSettings.from_env`; everything else receives the object as an argument.
+
+Every field has one canonical environment variable with the ``SQLA_OUTBOX_`` prefix
+(``worker_concurrency`` → ``SQLA_OUTBOX_WORKER_CONCURRENCY``). A few fields also accept
+the bare names deployments already use (``DATABASE_URL``, ``REDIS_URL``, ``QUEUES``).
+Precedence: explicit keyword (CLI option) > prefixed variable > bare alias > default.
+
+AWS region and credentials are never declared here: boto3 reads them from its own chain
+(``AWS_REGION``, ``AWS_PROFILE``, instance roles, ...). ``docs/configuration.md`` is
+generated from the field metadata below (``python -m sqla_outbox config-reference``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sqla_outbox import errors
+from sqla_outbox.types import QUEUE_NAMES
+
+ENV_PREFIX = "SQLA_OUTBOX_"
+
+SQS_MAX_MESSAGE_BYTES = 1_048_576
+"""SQS's current maximum message size (1 MiB). The default limit stays at 256 KiB."""
+
+
+def _setting(
+    default: Any,
+    doc: str,
+    *,
+    aliases: tuple[str, ...] = (),
+    unit: str = "",
+    factory: Callable[[], Any] | None = None,
+) -> Any:
+    metadata = {"doc": doc, "aliases": aliases, "unit": unit}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxSettings:
+    """Configuration shared by the application side, the relay and the worker.
+
+    Construct it directly (tests, application code) or with :meth:`from_env`. Values are
+    validated at construction against SQS limits; a bad value raises
+    :class:`~sqla_outbox.errors.ConfigurationError` naming the field.
+    """
+
+    # --- connections -----------------------------------------------------------------
+    database_url: str = _setting(
+        "postgresql+psycopg://postgres@127.0.0.1:5432/postgres",
+        "SQLAlchemy URL of the PostgreSQL database holding the outbox tables. "
+        "`postgresql://` URLs are used with the psycopg 3 driver.",
+        aliases=("DATABASE_URL",),
+    )
+    valkey_url: str | None = _setting(
+        "redis://127.0.0.1:6379/0",
+        "Valkey/Redis URL for the wake signal. Empty or `none` runs sweep-only "
+        "(the relay finds work by sweeping; nothing is lost, only latency grows).",
+        aliases=("VALKEY_URL", "REDIS_URL"),
+    )
+    sqs_endpoint_url: str | None = _setting(
+        None,
+        "SQS endpoint override (LocalStack, a moto server). Unset: boto3's default endpoint "
+        "for the region (boto3 also honours `AWS_ENDPOINT_URL_SQS`).",
+        aliases=("SQS_ENDPOINT_URL",),
+    )
+
+    # --- application side ---------------------------------------------------------------
+    catalog_path: str = _setting(
+        "tasks.json",
+        "Path of the task catalog (tasks → queue/options, events → subscribers) that the "
+        "API side validates dispatches against.",
+    )
+    wake_key: str = _setting(
+        "sqla_outbox:outbox:wake", "Valkey list the application LPUSHes after a commit."
+    )
+    wake_timeout_ms: int = _setting(
+        100,
+        "Longest time a commit may spend on the wake (connect + LPUSH). Past it the wake "
+        "is dropped, logged and counted; the commit has already happened.",
+        unit="ms",
+    )
+    wake_retry_seconds: float = _setting(
+        5.0,
+        "After a failed wake, commits skip the LPUSH for this long (one warning per outage "
+        "instead of one per commit).",
+        unit="s",
+    )
+    wake_list_max: int = _setting(
+        16,
+        "The wake list is trimmed to this many entries, so it cannot grow while no relay "
+        "listens.",
+    )
+    max_message_bytes: int = _setting(
+        262_144,
+        "Largest SQS message (body + message attributes) a dispatch may produce. 262,144 "
+        "is the classic SQS limit; SQS now accepts up to 1,048,576.",
+        unit="bytes",
+    )
+    tenant_foreign_key: str | None = _setting(
+        "tenants.id",
+        "`table.column` that `outbox_messages.tenant_id` references. Empty or `none` "
+        "creates no foreign key. Read by the migrations and by `sqla_outbox.metadata`.",
+    )
+
+    # --- queues --------------------------------------------------------------------------
+    queue_prefix: str = _setting(
+        "sqla-outbox-",
+        "Prefix of the SQS queue names: `<prefix>critical`, `<prefix>critical-dlq`, ...",
+    )
+    max_receive_count: int = _setting(
+        7,
+        "Redrive policy maxReceiveCount: receives after which SQS itself moves a message "
+        "to the DLQ (5 for the runtime plus 2 of margin).",
+    )
+    sqs_managed_sse: bool = _setting(
+        False, "Provision queues with SQS-managed server-side encryption (SSE-SQS)."
+    )
+    sqs_kms_key_id: str | None = _setting(
+        None, "Provision queues with SSE-KMS using this key id or alias (wins over SSE-SQS)."
+    )
+
+    # --- relay ---------------------------------------------------------------------------
+    relay_sweep_interval_seconds: float = _setting(
+        5.0,
+        "The relay scans the outbox at least this often, wake or not. Also the BLPOP "
+        "timeout.",
+        unit="s",
+    )
+    relay_batch_size: int = _setting(
+        100, "Rows claimed per outbox table per pass (sent as SendMessageBatch calls of <= 10)."
+    )
+    relay_send_concurrency: int = _setting(
+        4, "SendMessageBatch calls in flight at once within one pass."
+    )
+    relay_backoff_base_seconds: float = _setting(
+        1.0,
+        "First delay after a failed send; doubles per attempt (capped exponential backoff).",
+        unit="s",
+    )
+    relay_backoff_max_seconds: float = _setting(
+        300.0, "Cap of the relay's send backoff.", unit="s"
+    )
+    relay_lock_id: int = _setting(
+        0x5351_4C41_4F42,
+        "PostgreSQL advisory lock key that elects the one active relay per database.",
+    )
+    relay_standby_poll_seconds: float = _setting(
+        1.0, "How often a standby relay tries to take the advisory lock.", unit="s"
+    )
+    relay_scheduler: bool = _setting(
+        True, "Run the recurring-task scheduler inside the active relay."
+    )
+
+    # --- worker --------------------------------------------------------------------------
+    worker_queues: tuple[str, ...] = _setting(
+        QUEUE_NAMES,
+        "Queues this worker consumes, comma-separated, in any order (critical is always "
+        "served first).",
+        aliases=("QUEUES",),
+    )
+    worker_concurrency: int = _setting(8, "Handlers running at once per worker process.")
+    worker_imports: tuple[str, ...] = _setting(
+        (), "Modules to import at start so their `@task` handlers register (comma-separated)."
+    )
+    worker_wait_seconds: int = _setting(
+        20, "ReceiveMessage long-poll wait (SQS allows 0..20).", unit="s"
+    )
+    worker_max_receives: int = _setting(
+        5,
+        "A transient failure on this receive (ApproximateReceiveCount) takes the "
+        "permanent path: DLQ and run failed.",
+    )
+    worker_stop_budget_seconds: float = _setting(
+        20.0,
+        "On SIGTERM, how long in-flight handlers may keep running before their messages "
+        "are returned to the queue.",
+        unit="s",
+    )
+    worker_backoff_base_seconds: float = _setting(
+        5.0,
+        "Retry delay after the first transient failure; doubles per receive, with jitter.",
+        unit="s",
+    )
+    worker_backoff_max_seconds: float = _setting(
+        900.0, "Cap of the worker's retry backoff (SQS allows 43,200).", unit="s"
+    )
+    worker_run_relay: bool = _setting(
+        False,
+        "Also run the relay (as a hot-standby candidate) inside each worker process.",
+        aliases=("SQLA_OUTBOX_RELAY",),
+    )
+    worker_id: str | None = _setting(
+        None, "Name recorded in the run trail. Default: `<hostname>:<pid>`."
+    )
+    health_port: int | None = _setting(
+        None,
+        "Port of the HTTP probe (`/livez`, `/readyz`, `/metrics`) for relay and worker. "
+        "Unset: no HTTP server.",
+        aliases=("SQLA_OUTBOX_METRICS_PORT",),
+    )
+
+    # --- maintenance ---------------------------------------------------------------------
+    purge_sent_after_days: float = _setting(
+        7.0, "`maintenance.purge` deletes outbox rows sent longer ago than this.", unit="days"
+    )
+    purge_succeeded_after_days: float = _setting(
+        7.0, "...and `succeeded` runs (with their trail) finished longer ago.", unit="days"
+    )
+    purge_failed_after_days: float = _setting(
+        30.0, "...and `failed` runs finished longer ago.", unit="days"
+    )
+    purge_batch_size: int = _setting(1000, "Rows deleted per purge statement.")
+
+    def __post_init__(self) -> None:
+        for name in ("valkey_url", "sqs_endpoint_url", "tenant_foreign_key", "sqs_kms_key_id"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.strip().lower() in _NONE_WORDS:
+                object.__setattr__(self, name, None)
+        _validate(self)
+
+    # ---------------------------------------------------------------------------------
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, **overrides: Any
+    ) -> OutboxSettings:
+        """Build settings from environment variables, then apply ``overrides``.
+
+        Args:
+            env: Variables to read (default ``os.environ``).
+            **overrides: Field values that win over the environment (CLI options). ``None``
+                values are ignored, so unset CLI options fall through.
+
+        Raises:
+            ConfigurationError: A variable cannot be parsed or a value is out of range; the
+                message names the variable.
+        """
+        source = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            for name in env_names(field.name):
+                raw = source.get(name)
+                if raw is None:
+                    continue
+                values[field.name] = _parse(field, raw, name)
+                break
+        for key, value in overrides.items():
+            if key not in {f.name for f in dataclasses.fields(cls)}:
+                raise errors.ConfigurationError(f"unknown setting {key!r}", option=key)
+            if value is not None:
+                values[key] = value
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> OutboxSettings:
+        """Return a copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # --- derived values ------------------------------------------------------------------
+    @property
+    def sqlalchemy_url(self) -> str:
+        """``database_url`` with the psycopg 3 driver when no driver is named."""
+        return sqlalchemy_url(self.database_url)
+
+    def queue_url_name(self, queue: str) -> str:
+        """SQS queue name for a logical queue (``<prefix><queue>``)."""
+        return f"{self.queue_prefix}{queue}"
+
+    def dlq_url_name(self, queue: str) -> str:
+        """SQS dead-letter queue name for a logical queue (``<prefix><queue>-dlq``)."""
+        return f"{self.queue_prefix}{queue}-dlq"
+
+    def redacted(self) -> dict[str, Any]:
+        """Settings as a dict with passwords in URLs masked, for logs and ``--check``."""
+        out: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, str) and "://" in value:
+                value = redact_url(value)
+            out[field.name] = value
+        return out
+
+
+def env_names(field_name: str) -> tuple[str, ...]:
+    """Environment variables read for ``field_name``, highest precedence first."""
+    field = {f.name: f for f in dataclasses.fields(OutboxSettings)}[field_name]
+    return (ENV_PREFIX + field_name.upper(), *field.metadata["aliases"])
+
+
+def sqlalchemy_url(url: str) -> str:
+    """Name the psycopg 3 driver in a bare ``postgresql://``/``postgres://`` URL."""
+    for bare in ("postgresql://", "postgres://"):
+        if url.startswith(bare):
+            return "postgresql+psycopg://" + url[len(bare) :]
+    return url
+
+
+_PASSWORD = re.compile(r"(://[^:/@]*:)([^@]*)(@)")
+
+
+def redact_url(url: str) -> str:
+    """Replace the password of a URL with ``***``."""
+    return _PASSWORD.sub(r"\1***\3", url)
+
+
+_NONE_WORDS = {"", "none", "null", "off"}
+_TRUE_WORDS = {"1", "true", "yes", "on"}
+_FALSE_WORDS = {"0", "false", "no", "off", ""}
+
+
+def _parse(field: dataclasses.Field[Any], raw: str, name: str) -> Any:
+    kind = str(field.type)
+    text = raw.strip()
+    try:
+        if "None" in kind and text.lower() in _NONE_WORDS:
+            return None
+        if kind.startswith("bool"):
+            if text.lower() in _TRUE_WORDS:
+                return True
+            if text.lower() in _FALSE_WORDS:
+                return False
+            raise ValueError(f"expected true/false, got {raw!r}")
+        if kind.startswith("int"):
+            return int(text, 0)
+        if kind.startswith("float"):
+            return float(text)
+        if kind.startswith("tuple"):
+            return tuple(part.strip() for part in text.split(",") if part.strip())
+        return text
+    except ValueError as exc:
+        raise errors.ConfigurationError(str(exc), option=name) from exc
+
+
+def _check(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise errors.ConfigurationError(message, option=ENV_PREFIX + field.upper())
+
+
+def _validate(s: OutboxSettings) -> None:
+    _check(bool(s.database_url), "database_url", "must not be empty")
+    _check(1 <= s.wake_timeout_ms <= 10_000, "wake_timeout_ms", "must be within 1..10000 ms")
+    _check(s.wake_retry_seconds >= 0, "wake_retry_seconds", "must be >= 0")
+    _check(s.wake_list_max >= 1, "wake_list_max", "must be >= 1")
+    _check(bool(s.wake_key), "wake_key", "must not be empty")
+    _check(
+        1024 <= s.max_message_bytes <= SQS_MAX_MESSAGE_BYTES,
+        "max_message_bytes",
+        f"must be within 1024..{SQS_MAX_MESSAGE_BYTES} bytes (SQS maximum message size)",
+    )
+    if s.tenant_foreign_key is not None:
+        _check(
+            re.fullmatch(r"[A-Za-z_][\w$]*(\.[A-Za-z_][\w$]*){1,2}", s.tenant_foreign_key)
+            is not None,
+            "tenant_foreign_key",
+            f"must look like table.column or schema.table.column, got {s.tenant_foreign_key!r}",
+        )
+    _check(
+        re.fullmatch(r"[A-Za-z0-9_-]{0,60}", s.queue_prefix) is not None,
+        "queue_prefix",
+        "may hold only letters, digits, '-' and '_' (SQS queue names), at most 60 characters",
+    )
+    _check(1 <= s.max_receive_count <= 1000, "max_receive_count", "must be within 1..1000")
+    _check(s.relay_sweep_interval_seconds > 0, "relay_sweep_interval_seconds", "must be > 0")
+    _check(1 <= s.relay_batch_size <= 10_000, "relay_batch_size", "must be within 1..10000")
+    _check(1 <= s.relay_send_concurrency <= 64, "relay_send_concurrency", "must be within 1..64")
+    _check(s.relay_backoff_base_seconds > 0, "relay_backoff_base_seconds", "must be > 0")
+    _check(
+        s.relay_backoff_max_seconds >= s.relay_backoff_base_seconds,
+        "relay_backoff_max_seconds",
+        "must be >= relay_backoff_base_seconds",
+    )
+    _check(s.relay_standby_poll_seconds > 0, "relay_standby_poll_seconds", "must be > 0")
+    _check(bool(s.worker_queues), "worker_queues", "must name at least one queue")
+    for queue in s.worker_queues:
+        _check(
+            queue in QUEUE_NAMES,
+            "worker_queues",
+            f"unknown queue {queue!r}; expected some of {', '.join(QUEUE_NAMES)}",
+        )
+    _check(1 <= s.worker_concurrency <= 1000, "worker_concurrency", "must be within 1..1000")
+    _check(
+        0 <= s.worker_wait_seconds <= 20,
+        "worker_wait_seconds",
+        "must be within 0..20 s (SQS ReceiveMessage WaitTimeSeconds)",
+    )
+    _check(s.worker_max_receives >= 1, "worker_max_receives", "must be >= 1")
+    _check(s.worker_stop_budget_seconds >= 0, "worker_stop_budget_seconds", "must be >= 0")
+    _check(s.worker_backoff_base_seconds >= 0, "worker_backoff_base_seconds", "must be >= 0")
+    _check(
+        s.worker_backoff_base_seconds <= s.worker_backoff_max_seconds <= 43_200,
+        "worker_backoff_max_seconds",
+        "must be within worker_backoff_base_seconds..43200 s (SQS visibility timeout maximum)",
+    )
+    if s.health_port is not None:
+        _check(0 <= s.health_port <= 65535, "health_port", "must be a TCP port (0..65535)")
+    for name in ("purge_sent_after_days", "purge_succeeded_after_days", "purge_failed_after_days"):
+        _check(getattr(s, name) >= 0, name, "must be >= 0")
+    _check(s.purge_batch_size >= 1, "purge_batch_size", "must be >= 1")

@@ -1,0 +1,395 @@
+"""``Dispatch`` and ``Publish``: work scheduled with ``session.add`` in your own transaction.
+
+Both are mapped classes (``Session.add`` accepts mapped instances only), mapped to a
+table that never exists. The listeners that :func:`sqla_outbox.install` attaches take
+them out of the session during flush and write the real rows instead: one outbox row
+(``outbox_messages`` with a tenant, ``platform_outbox_messages`` without) and one
+``task_runs`` row per run, in one statement, in the flushing transaction. A session
+without the listeners refuses them with :class:`~sqla_outbox.errors.NotInstalled`, and
+paths that bypass flush events (``bulk_save_objects``) refuse them too, so work is never
+silently dropped or half-written.
+
+Checks happen as early as possible: the constructor checks everything that needs no
+catalog (names, payload, delay, tenant); ``session.add`` checks the rest against the
+installed catalog (task or event known, queue, tenant scope, message size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import re
+import uuid
+from typing import Any
+
+from sqlalchemy import Column, Integer, MetaData, Table, event
+from sqlalchemy.orm import registry
+
+from sqla_outbox import envelope as envelope_mod
+from sqla_outbox import errors, tracing
+from sqla_outbox.catalog import Catalog, TaskSpec
+from sqla_outbox.types import QUEUE_NAMES, JSONValue
+
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+_MAX_KEY_LENGTH = 512
+_BIGINT = 2**63
+_MISSING: Any = object()
+
+
+@dataclasses.dataclass
+class PreparedRun:
+    """One run ready to be written: the row values computed at ``session.add``.
+
+    Attributes:
+        run_id: The run's UUID (generated, or given by the caller).
+        task / queue / tenant_id / event / idempotency_key: Row values.
+        delay: Seconds after ``clock_timestamp()`` when ``available_at`` is None.
+        available_at: Absolute due time given by the caller, or None.
+        envelope: The envelope document stored in the outbox ``envelope`` column.
+        source: The Dispatch or Publish object this run came from.
+        resolved_run_id: Set by the write: the run that will execute.
+        deduplicated: Set by the write: True when an existing run was reused.
+    """
+
+    run_id: uuid.UUID
+    task: str
+    queue: str
+    tenant_id: int | None
+    event: str | None
+    idempotency_key: str | None
+    delay: dt.timedelta
+    available_at: dt.datetime | None
+    envelope: dict[str, Any]
+    source: _Scheduled
+    resolved_run_id: uuid.UUID | None = None
+    deduplicated: bool = False
+
+
+class _Scheduled:
+    """Shared validation and state of Dispatch and Publish."""
+
+    _sqla_outbox_slot: Any
+    _prepared: list[PreparedRun] | None
+
+    def _init_common(
+        self,
+        payload: Any,
+        name_for_errors: str,
+        tenant_id: int | None,
+        delay: dt.timedelta | float | int | None,
+        available_at: dt.datetime | None,
+        idempotency_key: str | None,
+    ) -> None:
+        self.payload_json = envelope_mod.encode_payload(name_for_errors, payload)
+        self.payload: JSONValue = payload
+        if tenant_id is not None and (
+            isinstance(tenant_id, bool)
+            or not isinstance(tenant_id, int)
+            or not -_BIGINT <= tenant_id < _BIGINT
+        ):
+            raise errors.InvalidDispatch(
+                name_for_errors, f"tenant_id must be an integer (bigint), got {tenant_id!r}"
+            )
+        self.tenant_id = tenant_id
+        self.delay = _coerce_delay(name_for_errors, delay, available_at)
+        self.available_at = _coerce_available_at(name_for_errors, available_at)
+        if idempotency_key is not None and (
+            not isinstance(idempotency_key, str)
+            or not 0 < len(idempotency_key) <= _MAX_KEY_LENGTH
+        ):
+            raise errors.InvalidDispatch(
+                name_for_errors,
+                f"idempotency_key must be a non-empty string of at most {_MAX_KEY_LENGTH} "
+                "characters",
+            )
+        self.idempotency_key = idempotency_key
+        self.trace = tracing.current_carrier()
+        self._prepared = None
+
+    def _prepare_run(
+        self,
+        spec: TaskSpec,
+        *,
+        run_id: uuid.UUID,
+        queue: str,
+        event: str | None,
+        max_message_bytes: int,
+    ) -> PreparedRun:
+        if spec.scope == "tenant" and self.tenant_id is None:
+            raise errors.InvalidDispatch(
+                spec.name, "the catalog gives this task scope 'tenant'; pass tenant_id"
+            )
+        if spec.scope == "platform" and self.tenant_id is not None:
+            raise errors.InvalidDispatch(
+                spec.name, "the catalog gives this task scope 'platform'; it takes no tenant_id"
+            )
+        env = envelope_mod.Envelope(
+            run_id=run_id,
+            task=spec.name,
+            queue=queue,
+            tenant_id=self.tenant_id,
+            payload_json=self.payload_json,
+            event=event,
+            idempotency_key=self.idempotency_key,
+            trace=self.trace,
+        )
+        size = env.size_bytes()
+        if size > max_message_bytes:
+            raise errors.EnvelopeTooLarge(spec.name, size_bytes=size, limit_bytes=max_message_bytes)
+        return PreparedRun(
+            run_id=run_id,
+            task=spec.name,
+            queue=queue,
+            tenant_id=self.tenant_id,
+            event=event,
+            idempotency_key=self.idempotency_key,
+            delay=self.delay,
+            available_at=self.available_at,
+            envelope=env.to_document(),
+            source=self,
+        )
+
+    def prepare(self, catalog: Catalog, *, max_message_bytes: int) -> list[PreparedRun]:
+        raise NotImplementedError
+
+    def record_resolution(self, run: PreparedRun) -> None:
+        """Called after the write with the run's outcome (``run.resolved_run_id``)."""
+
+
+class Dispatch(_Scheduled):
+    """Schedule one run of ``task`` in the current transaction: ``session.add(Dispatch(...))``.
+
+    Args:
+        task: Task name from the catalog.
+        payload: Plain JSON value (objects with string keys, arrays, strings, numbers,
+            booleans, null); default ``{}``. See ``sqla_outbox.envelope`` for the rules.
+        tenant_id: Tenant (bigint). Absent: the run goes to the platform outbox.
+        queue: Override the catalog's queue for this run.
+        delay: Run no earlier than this long after the row is written, measured on the
+            database clock (``clock_timestamp()`` + delay); a ``timedelta`` or seconds.
+            Any length; never SQS DelaySeconds.
+        available_at: Absolute, timezone-aware due time (instead of ``delay``).
+        idempotency_key: At most one unfinished run per task + tenant + key; a duplicate
+            resolves quietly to the existing run (see :attr:`resolved_run_id`).
+        run_id: Use this UUID instead of a random one (a duplicate run_id also resolves
+            quietly to the existing run).
+
+    Attributes:
+        run_id: Assigned when the object is built.
+        resolved_run_id: After flush, the run that will execute: ``run_id``, or the
+            existing run an idempotency key or run_id resolved to. None before flush.
+        deduplicated: After flush, True when this dispatch resolved to an existing run.
+
+    Raises:
+        InvalidDispatch: Bad name, tenant, delay, available_at or idempotency key.
+        PayloadNotSerializable: The payload is not plain JSON.
+        UnknownQueue: ``queue`` is not critical, default, bulk or maintenance.
+    """
+
+    def __init__(
+        self,
+        task: str,
+        payload: JSONValue = _MISSING,
+        *,
+        tenant_id: int | None = None,
+        queue: str | None = None,
+        delay: dt.timedelta | float | int | None = None,
+        available_at: dt.datetime | None = None,
+        idempotency_key: str | None = None,
+        run_id: uuid.UUID | None = None,
+    ) -> None:
+        if not isinstance(task, str) or not _NAME.match(task):
+            raise errors.InvalidDispatch(
+                str(task), "task names are 1..200 characters of letters, digits and _ . : -"
+            )
+        self.task = task
+        if queue is not None and queue not in QUEUE_NAMES:
+            raise errors.UnknownQueue(
+                task, f"unknown queue {queue!r}; expected one of {', '.join(QUEUE_NAMES)}"
+            )
+        self.queue = queue
+        if run_id is not None and not isinstance(run_id, uuid.UUID):
+            raise errors.InvalidDispatch(task, f"run_id must be a uuid.UUID, got {run_id!r}")
+        self.run_id: uuid.UUID = run_id or uuid.uuid4()
+        self._explicit_run_id = run_id is not None
+        self.resolved_run_id: uuid.UUID | None = None
+        self.deduplicated = False
+        self._init_common(
+            {} if payload is _MISSING else payload,
+            task,
+            tenant_id,
+            delay,
+            available_at,
+            idempotency_key,
+        )
+
+    def prepare(self, catalog: Catalog, *, max_message_bytes: int) -> list[PreparedRun]:
+        """Check against the catalog and compute the row values (called by ``session.add``).
+
+        Raises:
+            UnknownTask, InvalidDispatch, EnvelopeTooLarge.
+        """
+        spec = catalog.task(self.task)
+        queue = self.queue or spec.queue
+        return [
+            self._prepare_run(
+                spec, run_id=self.run_id, queue=queue, event=None,
+                max_message_bytes=max_message_bytes,
+            )
+        ]
+
+    def record_resolution(self, run: PreparedRun) -> None:
+        self.resolved_run_id = run.resolved_run_id
+        self.deduplicated = run.deduplicated
+
+    def __repr__(self) -> str:
+        return f"Dispatch({self.task!r}, run_id={self.run_id}, tenant_id={self.tenant_id})"
+
+
+class Publish(_Scheduled):
+    """Publish ``event``: one run per subscriber task, each with its own ``run_id``.
+
+    Subscribers come from the catalog (``events.<name>.subscribers``). A known event with
+    no subscribers writes nothing. Options mean what they mean for :class:`Dispatch` and
+    apply to every subscriber's run (an idempotency key dedupes per subscriber task).
+
+    Attributes:
+        runs: After ``session.add``, ``{subscriber task: run_id}``.
+        resolved_run_ids: After flush, ``{subscriber task: run that will execute}``.
+
+    Raises:
+        InvalidDispatch, PayloadNotSerializable (at construction); UnknownEvent,
+        InvalidDispatch, EnvelopeTooLarge (at ``session.add``).
+    """
+
+    def __init__(
+        self,
+        event: str,
+        payload: JSONValue = _MISSING,
+        *,
+        tenant_id: int | None = None,
+        delay: dt.timedelta | float | int | None = None,
+        available_at: dt.datetime | None = None,
+        idempotency_key: str | None = None,
+    ) -> None:
+        if not isinstance(event, str) or not _NAME.match(event):
+            raise errors.InvalidDispatch(
+                str(event), "event names are 1..200 characters of letters, digits and _ . : -"
+            )
+        self.event = event
+        self.runs: dict[str, uuid.UUID] = {}
+        self._init_common(
+            {} if payload is _MISSING else payload,
+            event,
+            tenant_id,
+            delay,
+            available_at,
+            idempotency_key,
+        )
+
+    @property
+    def resolved_run_ids(self) -> dict[str, uuid.UUID]:
+        return {
+            run.task: run.resolved_run_id
+            for run in self._prepared or []
+            if run.resolved_run_id is not None
+        }
+
+    def prepare(self, catalog: Catalog, *, max_message_bytes: int) -> list[PreparedRun]:
+        """Check against the catalog and compute one run per subscriber.
+
+        Raises:
+            UnknownEvent, InvalidDispatch, EnvelopeTooLarge.
+        """
+        prepared = []
+        for task in catalog.subscribers(self.event):
+            spec = catalog.task(task)
+            run_id = self.runs.get(task) or uuid.uuid4()
+            prepared.append(
+                self._prepare_run(
+                    spec, run_id=run_id, queue=spec.queue, event=self.event,
+                    max_message_bytes=max_message_bytes,
+                )
+            )
+        self.runs = {run.task: run.run_id for run in prepared}
+        return prepared
+
+    def __repr__(self) -> str:
+        return f"Publish({self.event!r}, tenant_id={self.tenant_id}, runs={len(self.runs)})"
+
+
+# --------------------------------------------------------------------------------------
+# mapping: Session.add accepts mapped instances only
+
+
+def _refuse_insert(*_args: Any, **_kwargs: Any) -> Any:
+    raise errors.NotInstalled(
+        "a Dispatch or Publish reached the database without sqla_outbox listeners "
+        "(a session without sqla_outbox.install(), or bulk_save_objects/bulk inserts, "
+        "which bypass flush events); nothing was written"
+    )
+
+
+_pending_metadata = MetaData()
+_registry = registry(metadata=_pending_metadata)
+for _cls in (Dispatch, Publish):
+    _table = Table(
+        f"sqla_outbox_never_created_{_cls.__name__.lower()}",
+        _pending_metadata,
+        Column("_sqla_outbox_slot", Integer, primary_key=True, default=_refuse_insert),
+    )
+    _registry.map_imperatively(_cls, _table)
+    event.listen(_cls, "before_insert", _refuse_insert)
+
+
+def scheduled_types() -> tuple[type, ...]:
+    """The classes the listeners turn into rows."""
+    return (Dispatch, Publish)
+
+
+# --------------------------------------------------------------------------------------
+
+
+def _coerce_delay(
+    name: str,
+    delay: dt.timedelta | float | int | None,
+    available_at: dt.datetime | None,
+) -> dt.timedelta:
+    if delay is None:
+        return dt.timedelta(0)
+    if available_at is not None:
+        raise errors.InvalidDispatch(name, "pass delay or available_at, not both")
+    if isinstance(delay, bool) or not isinstance(delay, (dt.timedelta, int, float)):
+        raise errors.InvalidDispatch(
+            name, f"delay must be a timedelta or seconds, got {type(delay).__name__}"
+        )
+    if not isinstance(delay, dt.timedelta):
+        if delay != delay or delay in (float("inf"), float("-inf")):
+            raise errors.InvalidDispatch(name, f"delay must be finite, got {delay!r}")
+        try:
+            delay = dt.timedelta(seconds=delay)
+        except OverflowError:
+            raise errors.InvalidDispatch(name, f"delay {delay!r} s is too long") from None
+    if delay < dt.timedelta(0):
+        raise errors.InvalidDispatch(name, f"delay must not be negative, got {delay}")
+    try:
+        dt.datetime.now(dt.UTC) + delay
+    except OverflowError:
+        raise errors.InvalidDispatch(
+            name, f"delay {delay} puts available_at past year 9999"
+        ) from None
+    return delay
+
+
+def _coerce_available_at(name: str, available_at: dt.datetime | None) -> dt.datetime | None:
+    if available_at is None:
+        return None
+    if not isinstance(available_at, dt.datetime):
+        raise errors.InvalidDispatch(
+            name, f"available_at must be a datetime, got {type(available_at).__name__}"
+        )
+    if available_at.tzinfo is None or available_at.utcoffset() is None:
+        raise errors.InvalidDispatch(
+            name, "available_at is a naive datetime; pass a timezone-aware one"
+        )
+    return available_at

@@ -1,0 +1,309 @@
+"""The envelope: the versioned JSON body of every SQS message, carrying the ``run_id``.
+
+Version 1 is a JSON object::
+
+    {"v": 1, "run_id": "<uuid>", "task": "send_receipt", "queue": "critical",
+     "tenant_id": 3, "event": "order.placed", "idempotency_key": null,
+     "payload": "{\\"order_id\\":7}", "trace": {"traceparent": "00-..."}}
+
+``payload`` is the task payload as JSON *text*, not as a nested object. The outbox column
+is ``jsonb``, which reorders keys, drops duplicate keys, rewrites numbers (``1e16`` comes
+back as ``10000000000000000``, an int) and refuses ``\\u0000``. Keeping the payload as a
+string makes what the handler receives exactly what the application encoded.
+
+Payload rules (decided here, documented in ``docs/handlers.md``): objects with string
+keys, arrays (lists and tuples), strings, integers, finite floats, booleans and null.
+NaN/Infinity, bytes, sets, datetimes, UUIDs, Decimals and other objects are refused with
+:class:`~sqla_outbox.errors.PayloadNotSerializable`, naming the path of the bad value;
+convert them explicitly (``value.isoformat()``, ``str(uuid)``) so the handler knows what
+it gets.
+
+Everything read from a queue is untrusted: :func:`decode` parses JSON only (never pickle
+or eval), bounds the size before parsing, and validates every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from sqla_outbox import errors
+from sqla_outbox.types import QUEUE_NAMES, JSONValue
+
+VERSION = 1
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+_MAX_DEPTH = 200
+
+
+class MalformedEnvelope(errors.OutboxError):
+    """A message body is not a valid sqla_outbox envelope.
+
+    Attributes:
+        reason: Short machine-readable reason (``not-json``, ``bad-run-id``, ...).
+    """
+
+    code = "malformed-envelope"
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        super().__init__(f"{reason}: {detail}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Envelope:
+    """Decoded envelope.
+
+    Attributes:
+        run_id: The run this message executes.
+        task: Task name.
+        queue: Logical queue name.
+        tenant_id: Tenant, or None for platform work.
+        event: The published event this run subscribes to, or None for a plain dispatch.
+        idempotency_key: The dispatch's idempotency key, if any.
+        payload_json: The payload as the application encoded it (JSON text).
+        trace: W3C trace-context carrier (``traceparent``/``tracestate``), possibly empty.
+    """
+
+    run_id: uuid.UUID
+    task: str
+    queue: str
+    tenant_id: int | None
+    payload_json: str
+    event: str | None = None
+    idempotency_key: str | None = None
+    trace: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def payload(self) -> JSONValue:
+        """The payload, parsed from :attr:`payload_json`."""
+        value: JSONValue = json.loads(self.payload_json)
+        return value
+
+    def to_document(self) -> dict[str, Any]:
+        """The envelope as a JSON-ready dict (stored in the outbox ``envelope`` column)."""
+        doc: dict[str, Any] = {
+            "v": VERSION,
+            "run_id": str(self.run_id),
+            "task": self.task,
+            "queue": self.queue,
+            "tenant_id": self.tenant_id,
+            "event": self.event,
+            "idempotency_key": self.idempotency_key,
+            "payload": self.payload_json,
+        }
+        if self.trace:
+            doc["trace"] = dict(self.trace)
+        return doc
+
+    def encode(self) -> str:
+        """The SQS message body (compact JSON, ASCII only)."""
+        return encode_document(self.to_document())
+
+    def message_attributes(self) -> dict[str, dict[str, str]]:
+        """SQS message attributes carried beside the body: run_id, task, tenant_id."""
+        return message_attributes(self.run_id, self.task, self.tenant_id)
+
+    def size_bytes(self) -> int:
+        """Message size as SQS counts it: body plus attribute names, types and values."""
+        return message_size_bytes(self.encode(), self.message_attributes())
+
+
+def encode_document(document: Mapping[str, Any]) -> str:
+    """Serialise an envelope document compactly (the form sent to SQS)."""
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=True)
+
+
+def message_attributes(
+    run_id: uuid.UUID | str, task: str, tenant_id: int | None
+) -> dict[str, dict[str, str]]:
+    """SendMessageBatch ``MessageAttributes`` for a run."""
+    attributes = {
+        "run_id": {"DataType": "String", "StringValue": str(run_id)},
+        "task": {"DataType": "String", "StringValue": task},
+    }
+    if tenant_id is not None:
+        attributes["tenant_id"] = {"DataType": "Number", "StringValue": str(tenant_id)}
+    return attributes
+
+
+def message_size_bytes(body: str, attributes: Mapping[str, Mapping[str, str]]) -> int:
+    """Size of an SQS message in bytes: UTF-8 body plus, per attribute, name + type + value.
+
+    This is how SQS counts against its maximum message size (SQS Developer Guide,
+    "Amazon SQS message attributes": name, data type and value all count).
+    """
+    size = len(body.encode("utf-8"))
+    for name, attribute in attributes.items():
+        size += len(name.encode("utf-8")) + len(attribute["DataType"].encode("utf-8"))
+        size += len(attribute.get("StringValue", "").encode("utf-8"))
+    return size
+
+
+# --------------------------------------------------------------------------------------
+# payload encoding (application side)
+
+
+def encode_payload(task: str, payload: Any) -> str:
+    """Encode ``payload`` as compact JSON text, refusing anything that is not plain JSON.
+
+    Args:
+        task: Task name, for the error message.
+        payload: The value to encode (see the module docstring for what is allowed).
+
+    Returns:
+        JSON text, ASCII only (non-ASCII characters escaped, so any string survives).
+
+    Raises:
+        PayloadNotSerializable: A value is not plain JSON; the message names its path
+            (``$.items[2]``) and type.
+    """
+    _check_plain_json(task, payload)
+    try:
+        return json.dumps(payload, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except (ValueError, TypeError, RecursionError) as exc:  # pragma: no cover - walk covers
+        raise errors.PayloadNotSerializable(task, f"payload is not JSON: {exc}") from exc
+
+
+def _check_plain_json(task: str, payload: Any) -> None:
+    stack: list[tuple[Any, str, int]] = [(payload, "$", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            raise errors.PayloadNotSerializable(
+                task, f"payload nests deeper than {_MAX_DEPTH} levels at {path}"
+            )
+        if value is None or isinstance(value, (bool, str, int)):
+            continue
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise errors.PayloadNotSerializable(
+                    task, f"payload is not JSON: {value!r} at {path} (JSON has no NaN/Infinity)"
+                )
+            continue
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise errors.PayloadNotSerializable(
+                        task,
+                        f"payload is not JSON: key {key!r} ({type(key).__name__}) at {path}; "
+                        "object keys must be strings",
+                    )
+                stack.append((item, f"{path}.{key}", depth + 1))
+            continue
+        if isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                stack.append((item, f"{path}[{index}]", depth + 1))
+            continue
+        hint = ""
+        if hasattr(value, "isoformat"):
+            hint = "; pass value.isoformat()"
+        elif isinstance(value, uuid.UUID):
+            hint = "; pass str(value)"
+        elif type(value).__name__ == "Decimal":
+            hint = "; pass str(value) to keep its precision"
+        raise errors.PayloadNotSerializable(
+            task, f"payload is not JSON: {type(value).__name__} at {path}{hint}"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# decoding (worker side, untrusted input)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} overflows a float")
+    return value
+
+
+def strict_loads(text: str) -> Any:
+    """``json.loads`` that refuses NaN/Infinity literals and numbers that overflow a float."""
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def decode(body: str, *, max_bytes: int) -> Envelope:
+    """Parse and validate a message body received from SQS.
+
+    Args:
+        body: The raw message body.
+        max_bytes: Bodies larger than this are refused before parsing.
+
+    Returns:
+        The validated :class:`Envelope`.
+
+    Raises:
+        MalformedEnvelope: With ``reason`` one of ``too-large``, ``not-json``,
+            ``not-an-object``, ``bad-version``, ``bad-field``, ``bad-payload``.
+    """
+    if len(body) > max_bytes or len(body.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise MalformedEnvelope("too-large", f"body is over {max_bytes} bytes")
+    try:
+        doc = strict_loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise MalformedEnvelope("not-json", str(exc)[:200]) from None
+    if not isinstance(doc, dict):
+        raise MalformedEnvelope("not-an-object", f"body is a JSON {type(doc).__name__}")
+    if doc.get("v") != VERSION or isinstance(doc.get("v"), bool):
+        raise MalformedEnvelope("bad-version", f"unsupported envelope version {doc.get('v')!r}"[:200])
+    run_id = _field(doc, "run_id", str)
+    try:
+        parsed_run_id = uuid.UUID(run_id)
+    except ValueError:
+        raise MalformedEnvelope("bad-field", "run_id is not a UUID") from None
+    task = _field(doc, "task", str)
+    if not _NAME.match(task):
+        raise MalformedEnvelope("bad-field", "task is not a valid task name")
+    queue = _field(doc, "queue", str)
+    if queue not in QUEUE_NAMES:
+        raise MalformedEnvelope("bad-field", "queue is not a known queue")
+    tenant_id = _optional(doc, "tenant_id", int)
+    if tenant_id is not None and not -(2**63) <= tenant_id < 2**63:
+        raise MalformedEnvelope("bad-field", "tenant_id is out of the bigint range")
+    event = _optional(doc, "event", str)
+    if event is not None and not _NAME.match(event):
+        raise MalformedEnvelope("bad-field", "event is not a valid event name")
+    key = _optional(doc, "idempotency_key", str)
+    payload_json = _field(doc, "payload", str)
+    try:
+        strict_loads(payload_json)
+    except (ValueError, RecursionError):
+        raise MalformedEnvelope("bad-payload", "payload is not JSON text") from None
+    trace = doc.get("trace", {})
+    if not isinstance(trace, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and len(v) <= 512 for k, v in trace.items()
+    ):
+        raise MalformedEnvelope("bad-field", "trace must map strings to short strings")
+    return Envelope(
+        run_id=parsed_run_id,
+        task=task,
+        queue=queue,
+        tenant_id=tenant_id,
+        payload_json=payload_json,
+        event=event,
+        idempotency_key=key,
+        trace=trace,
+    )
+
+
+def _field(doc: Mapping[str, Any], name: str, kind: type) -> Any:
+    value = doc.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise MalformedEnvelope("bad-field", f"{name} must be a {kind.__name__}")
+    return value
+
+
+def _optional(doc: Mapping[str, Any], name: str, kind: type) -> Any:
+    value = doc.get(name)
+    if value is None:
+        return None
+    return _field(doc, name, kind)

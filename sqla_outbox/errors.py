@@ -1,0 +1,244 @@
+"""The whole exception tree of sqla_outbox.
+
+Every exception the library raises derives from :class:`OutboxError`. Each class has a
+short ``code`` that names its section in ``docs/errors.md``; its docstring's first line is
+the default message. Context travels as attributes (``task``, ``size_bytes``, ...), not
+only inside the message text.
+
+Handlers raise :class:`PermanentError` (send the run to the dead-letter queue now) or
+:class:`Retry` (retry after a chosen delay); any other exception is a transient failure.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+
+class OutboxError(Exception):
+    """sqla_outbox error."""
+
+    code = "outbox-error"
+
+    def __init__(self, message: str | None = None) -> None:
+        if message is None:
+            doc = type(self).__doc__ or type(self).__name__
+            message = doc.strip().splitlines()[0]
+        super().__init__(message)
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ConfigurationError(OutboxError):
+    """A setting or option is invalid.
+
+    Attributes:
+        option: The setting or environment variable at fault, when known.
+    """
+
+    code = "configuration"
+
+    def __init__(self, message: str, *, option: str | None = None) -> None:
+        self.option = option
+        super().__init__(f"{option}: {message}" if option else message)
+
+
+class CatalogError(OutboxError):
+    """The task catalog (tasks.json) is missing or invalid.
+
+    Attributes:
+        path: The catalog file, when it came from a file.
+        pointer: JSON path of the bad entry (``tasks.send_welcome.queue``), when known.
+    """
+
+    code = "catalog"
+
+    def __init__(self, message: str, *, path: str | None = None, pointer: str | None = None):
+        self.path = path
+        self.pointer = pointer
+        where = ""
+        if path:
+            where += f"{path}: "
+        if pointer:
+            where += f"at {pointer}: "
+        super().__init__(f"{where}{message}")
+
+
+class NotInstalled(OutboxError):
+    """A Dispatch or Publish reached a session without sqla_outbox listeners.
+
+    Call ``sqla_outbox.install(session_factory_or_class)`` once at start-up. Without the
+    listeners the object would be silently dropped or half-written, so it is refused.
+    """
+
+    code = "not-installed"
+
+
+class DispatchError(OutboxError):
+    """The dispatch was refused; nothing was written.
+
+    Attributes:
+        task: The task (or event, for :class:`UnknownEvent`) the dispatch named.
+    """
+
+    code = "dispatch"
+
+    def __init__(self, task: str, problem: str) -> None:
+        self.task = task
+        self.problem = problem
+        super().__init__(f"task {task!r}: {problem}")
+
+
+class UnknownTask(DispatchError):
+    """The task is not in the catalog."""
+
+    code = "unknown-task"
+
+
+class UnknownEvent(DispatchError):
+    """The event is not in the catalog."""
+
+    code = "unknown-event"
+
+    def __init__(self, event: str, problem: str) -> None:
+        self.event = event
+        super().__init__(event, problem)
+        self.args = (f"event {event!r}: {problem}",)
+
+
+class UnknownQueue(DispatchError):
+    """The queue is not one of critical, default, bulk, maintenance."""
+
+    code = "unknown-queue"
+
+
+class PayloadNotSerializable(DispatchError):
+    """The payload is not plain JSON (including NaN and Infinity, which JSON does not have)."""
+
+    code = "payload-not-serializable"
+
+
+class EnvelopeTooLarge(DispatchError):
+    """The SQS message for this run would exceed the configured size limit.
+
+    Attributes:
+        size_bytes: Body plus message attributes, counted the way SQS counts them.
+        limit_bytes: The limit (``SQLA_OUTBOX_MAX_MESSAGE_BYTES``, default 262,144 bytes,
+            the classic SQS maximum message size).
+    """
+
+    code = "envelope-too-large"
+
+    def __init__(self, task: str, *, size_bytes: int, limit_bytes: int) -> None:
+        self.size_bytes = size_bytes
+        self.limit_bytes = limit_bytes
+        super().__init__(
+            task,
+            f"the SQS message would be {size_bytes} bytes, over the {limit_bytes}-byte limit",
+        )
+
+
+class InvalidDispatch(DispatchError):
+    """The dispatch options are inconsistent (negative delay, missing tenant, ...)."""
+
+    code = "invalid-dispatch"
+
+
+class SendError(OutboxError):
+    """SQS rejected some or all entries of a send.
+
+    Attributes:
+        failed_run_ids: Runs whose messages were not accepted.
+        error_code: The SQS or transport error code (``ThrottlingException``, ...).
+    """
+
+    code = "send"
+
+    def __init__(
+        self, message: str, *, failed_run_ids: Sequence[uuid.UUID] = (), error_code: str = ""
+    ) -> None:
+        self.failed_run_ids = list(failed_run_ids)
+        self.error_code = error_code
+        super().__init__(message)
+
+
+class HandlerNotFound(OutboxError):
+    """The worker has no handler registered for the task.
+
+    Attributes:
+        task: The task name the message asked for.
+    """
+
+    code = "handler-not-found"
+
+    def __init__(self, task: str) -> None:
+        self.task = task
+        super().__init__(f"no handler registered for task {task!r}")
+
+
+class PermanentError(OutboxError):
+    """The handler failed in a way that retrying cannot fix; the run goes to the DLQ now.
+
+    Subclass it (or list exception types in ``@task(permanent=...)``) for validation,
+    forbidden and not-found errors.
+    """
+
+    code = "permanent"
+
+
+PermanentFailure = PermanentError
+"""Alias kept for the name used in the style guide."""
+
+
+class ValidationFailed(PermanentError):
+    """The payload or the state it refers to is invalid; retrying cannot help."""
+
+    code = "validation-failed"
+
+
+class Forbidden(PermanentError):
+    """The run is not allowed to do what it asks."""
+
+    code = "forbidden"
+
+
+class NotFound(PermanentError):
+    """Something the run needs does not exist."""
+
+    code = "not-found"
+
+
+class Retry(OutboxError):
+    """Retry this run after ``delay_seconds`` instead of the computed backoff.
+
+    Attributes:
+        delay_seconds: Seconds until the message becomes visible again, 0..43,200
+            (SQS ChangeMessageVisibility allows at most 12 hours).
+    """
+
+    code = "retry"
+
+    def __init__(self, delay_seconds: float, message: str | None = None) -> None:
+        if not 0 <= delay_seconds <= 43_200:
+            raise ConfigurationError(
+                f"delay_seconds must be within 0..43200, got {delay_seconds}",
+                option="Retry.delay_seconds",
+            )
+        self.delay_seconds = delay_seconds
+        super().__init__(message or f"retry requested in {delay_seconds:g} s")
+
+
+class AttemptTimeout(OutboxError):
+    """The handler did not finish within its per-attempt timeout.
+
+    Attributes:
+        timeout_seconds: The limit that expired.
+    """
+
+    code = "attempt-timeout"
+
+    def __init__(self, timeout_seconds: float) -> None:
+        self.timeout_seconds = timeout_seconds
+        super().__init__(f"attempt exceeded its {timeout_seconds:g} s timeout")

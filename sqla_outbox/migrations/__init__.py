@@ -1,0 +1,170 @@
+"""The bundled Alembic migrations, usable standalone or from an application's Alembic.
+
+Standalone (this package's own environment, its own version table
+``sqla_outbox_alembic_version``)::
+
+    sqla-outbox migrate                       # or: sqla_outbox.migrations.upgrade(url)
+    alembic -c alembic.ini upgrade head       # from a checkout of this repository
+
+From an application's Alembic environment (its own migrations plus ours, one head per
+branch; see ``docs/alembic.md``)::
+
+    # alembic.ini
+    version_locations = %(here)s/versions sqla_outbox:migrations/versions
+    # env.py
+    from sqla_outbox.migrations import target_metadata as outbox_target_metadata
+    target_metadata = outbox_target_metadata(Base.metadata)   # [Base.metadata, ours]
+    # then: alembic upgrade heads
+
+Two values shape the first revision; both come from the environment so the revision
+file never imports the models:
+
+* ``SQLA_OUTBOX_TENANT_FOREIGN_KEY`` — ``table.column`` that ``outbox_messages.tenant_id``
+  references (default ``tenants.id``; ``none`` for no foreign key). An Alembic
+  ``-x tenant_foreign_key=...`` argument wins over it.
+* ``sqla_outbox_depends_on`` in the application's ``alembic.ini`` ``[alembic]`` section
+  (or ``SQLA_OUTBOX_MIGRATIONS_DEPENDS_ON``) — revision ids of the application's that
+  must run before ours (the one that creates the tenants table), so a database built
+  from scratch with ``upgrade heads`` creates ``tenants`` first.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+BRANCH_LABEL = "sqla_outbox"
+SCRIPT_LOCATION = "sqla_outbox:migrations"
+VERSION_LOCATION = "sqla_outbox:migrations/versions"
+VERSION_TABLE = "sqla_outbox_alembic_version"
+
+_NONE = {"", "none", "null", "off"}
+
+
+def tenant_foreign_key() -> str | None:
+    """The FK target for ``outbox_messages.tenant_id`` while a migration runs.
+
+    Precedence: ``-x tenant_foreign_key=...`` > ``SQLA_OUTBOX_TENANT_FOREIGN_KEY`` >
+    ``tenants.id``. ``none`` (or empty) means no foreign key.
+    """
+    raw: str | None = None
+    try:
+        from alembic import context
+
+        raw = context.get_x_argument(as_dictionary=True).get("tenant_foreign_key")
+    except Exception:  # noqa: BLE001 - no migration context (e.g. `alembic history`)
+        raw = None
+    if raw is None:
+        raw = os.environ.get("SQLA_OUTBOX_TENANT_FOREIGN_KEY", "tenants.id")
+    raw = raw.strip()
+    return None if raw.lower() in _NONE else raw
+
+
+def depends_on() -> tuple[str, ...] | None:
+    """Application revisions our base revision must follow.
+
+    Read from ``SQLA_OUTBOX_MIGRATIONS_DEPENDS_ON``, else from the ``sqla_outbox_depends_on``
+    option of the running Alembic config (comma- or space-separated revision ids).
+    """
+    raw = os.environ.get("SQLA_OUTBOX_MIGRATIONS_DEPENDS_ON")
+    if raw is None:
+        try:
+            from alembic import context
+
+            raw = context.config.get_main_option("sqla_outbox_depends_on")
+        except Exception:  # noqa: BLE001 - no running Alembic environment
+            raw = None
+    revisions = tuple(part for part in (raw or "").replace(",", " ").split() if part)
+    return revisions or None
+
+
+def target_metadata(*application_metadata: Any) -> list[Any]:
+    """``target_metadata`` for an application's Alembic ``env.py``: its metadata plus ours.
+
+    Alembic's autogenerate resolves foreign keys, and ``outbox_messages.tenant_id``
+    references the application's tenants table, which lives in the application's
+    metadata. This binds our foreign key to that table's column object so
+    ``alembic check`` / ``revision --autogenerate`` propose nothing for our tables.
+
+    Args:
+        *application_metadata: The application's ``MetaData`` objects.
+
+    Returns:
+        ``[*application_metadata, sqla_outbox.metadata]``.
+
+    Raises:
+        ConfigurationError: The tenant foreign key names a table that none of the given
+            metadata objects holds (set ``SQLA_OUTBOX_TENANT_FOREIGN_KEY=none`` if your
+            tenants table is not mapped, and create the constraint yourself).
+    """
+    from sqla_outbox import errors, models
+
+    target = models.tenant_foreign_key_target()
+    if target is not None:
+        table_name, _, column_name = target.rpartition(".")
+        for metadata in application_metadata:
+            table = metadata.tables.get(table_name)
+            if table is not None and column_name in table.c:
+                models.set_tenant_foreign_key(table.c[column_name])
+                break
+        else:
+            raise errors.ConfigurationError(
+                f"outbox_messages.tenant_id references {target}, but no given metadata "
+                f"has a table {table_name!r} with column {column_name!r}",
+                option="SQLA_OUTBOX_TENANT_FOREIGN_KEY",
+            )
+    return [*application_metadata, models.metadata]
+
+
+def alembic_config(url: str | None = None, **attributes: Any) -> Any:
+    """An Alembic ``Config`` for the standalone environment (no ini file needed).
+
+    Args:
+        url: SQLAlchemy database URL; default from ``SQLA_OUTBOX_DATABASE_URL`` /
+            ``DATABASE_URL`` (read by the environment script).
+        **attributes: Put into ``config.attributes`` (``connection=...`` runs the
+            migrations on an existing connection).
+    """
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", SCRIPT_LOCATION)
+    if url:
+        config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    config.attributes.update(attributes)
+    return config
+
+
+def upgrade(target: Any = None, revision: str = "heads", *, sql: bool = False) -> None:
+    """Upgrade the sqla_outbox tables (standalone version table).
+
+    Args:
+        target: A database URL, an ``Engine`` or a ``Connection``; None reads the URL
+            from the environment.
+        revision: Alembic revision to upgrade to.
+        sql: Print the SQL instead of running it (offline mode; needs a URL).
+    """
+    from alembic import command
+
+    command.upgrade(_config_for(target), revision, sql=sql)
+
+
+def downgrade(target: Any = None, revision: str = "base", *, sql: bool = False) -> None:
+    """Downgrade the sqla_outbox tables (``base`` drops them all)."""
+    from alembic import command
+
+    command.downgrade(_config_for(target), revision, sql=sql)
+
+
+def _config_for(target: Any) -> Any:
+    from sqlalchemy.engine import Connection, Engine
+
+    from sqla_outbox.config import sqlalchemy_url
+
+    if isinstance(target, Connection):
+        return alembic_config(connection=target)
+    if isinstance(target, Engine):
+        return alembic_config(target.url.render_as_string(hide_password=False))
+    if isinstance(target, str):
+        return alembic_config(sqlalchemy_url(target))
+    return alembic_config()

@@ -1,0 +1,298 @@
+"""Mapped classes for the outbox tables, the run table and the run trail.
+
+The schema is created by the bundled Alembic migrations (``sqla_outbox/migrations``),
+not by ``metadata.create_all``; this module mirrors it exactly so an application that
+puts :data:`metadata` in its ``target_metadata`` gets an empty autogenerate diff for our
+tables. ``tests/integration/test_migrations.py`` proves the two agree.
+
+Tables:
+
+* ``outbox_messages`` — work for a tenant; ``tenant_id`` references the application's
+  tenants table (``SQLA_OUTBOX_TENANT_FOREIGN_KEY``, default ``tenants.id``, or none).
+* ``platform_outbox_messages`` — work without a tenant (platform, system, schedules).
+* ``task_runs`` — one row per run: status, attempts, lease, last error.
+* ``task_run_trail`` — one row per status change or error of a run.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import uuid
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES, UNFINISHED_STATUSES
+
+NAMING_CONVENTION = {
+    "ix": "%(table_name)s_%(column_0_N_name)s_idx",
+    "uq": "%(table_name)s_%(column_0_name)s_key",
+    "ck": "%(table_name)s_%(constraint_name)s_check",
+    "fk": "%(table_name)s_%(column_0_name)s_fkey",
+    "pk": "%(table_name)s_pkey",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+"""The sqla_outbox tables. Add it to your Alembic ``target_metadata`` list."""
+
+_QUEUE_LIST = ", ".join(f"'{q}'" for q in QUEUE_NAMES)
+_STATUS_LIST = ", ".join(f"'{s}'" for s in RUN_STATUSES)
+_UNFINISHED_LIST = ", ".join(f"'{s}'" for s in UNFINISHED_STATUSES)
+TIMESTAMPTZ = DateTime(timezone=True)
+CLOCK = text("clock_timestamp()")
+
+
+class Base(DeclarativeBase):
+    metadata = metadata
+
+
+def _outbox_columns_doc() -> str:
+    return """
+    Columns:
+        id: bigint identity (GENERATED ALWAYS); insertion order, used as a tie-breaker.
+        run_id: The run this row delivers; UNIQUE.
+        queue: Logical queue (critical, default, bulk, maintenance); CHECKed.
+        envelope: The message body as jsonb (see ``sqla_outbox.envelope``); CHECKed to
+            be an object.
+        available_at: When the relay may send it; set on the database clock at dispatch
+            (``clock_timestamp()`` + delay) and pushed forward by send backoff.
+        sent_at: Set by the relay in the claiming transaction once SQS accepted the
+            message; NULL means pending.
+        attempts: Failed send attempts, incremented by the relay; CHECK >= 0.
+        created_at: Insert time, ``clock_timestamp()``.
+    """
+
+
+class OutboxMessage(Base):
+    __tablename__ = "outbox_messages"
+    __doc__ = "A pending or sent message for a tenant's run." + _outbox_columns_doc()
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(BigInteger)
+    run_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), unique=True)
+    queue: Mapped[str] = mapped_column(Text)
+    envelope: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    available_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ)
+    sent_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
+    attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    created_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+
+    __table_args__ = (
+        CheckConstraint("attempts >= 0", name="attempts"),
+        CheckConstraint("jsonb_typeof(envelope) = 'object'", name="envelope"),
+        CheckConstraint(f"queue IN ({_QUEUE_LIST})", name="queue"),
+        Index(
+            "outbox_messages_pending_idx",
+            "available_at",
+            "id",
+            postgresql_where=text("sent_at IS NULL"),
+        ),
+        Index(
+            "outbox_messages_sent_at_idx",
+            "sent_at",
+            postgresql_where=text("sent_at IS NOT NULL"),
+        ),
+    )
+
+
+class PlatformOutboxMessage(Base):
+    __tablename__ = "platform_outbox_messages"
+    __doc__ = "A pending or sent message for a run without a tenant." + _outbox_columns_doc()
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    run_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), unique=True)
+    queue: Mapped[str] = mapped_column(Text)
+    envelope: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    available_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ)
+    sent_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
+    attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    created_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+
+    __table_args__ = (
+        CheckConstraint("attempts >= 0", name="attempts"),
+        CheckConstraint("jsonb_typeof(envelope) = 'object'", name="envelope"),
+        CheckConstraint(f"queue IN ({_QUEUE_LIST})", name="queue"),
+        Index(
+            "platform_outbox_messages_pending_idx",
+            "available_at",
+            "id",
+            postgresql_where=text("sent_at IS NULL"),
+        ),
+        Index(
+            "platform_outbox_messages_sent_at_idx",
+            "sent_at",
+            postgresql_where=text("sent_at IS NOT NULL"),
+        ),
+    )
+
+
+class TaskRun(Base):
+    """One unit of work, from dispatch to its final status.
+
+    Columns:
+        run_id: Primary key; the same UUID as the outbox row and the envelope.
+        task: Task name. event: Published event it subscribes to, or NULL.
+        queue: Logical queue. tenant_id: Tenant, NULL for platform work (no foreign key:
+            history outlives tenants until purged).
+        status: queued → running → succeeded | retrying → … → failed. Written at dispatch
+            (queued) and by the worker.
+        idempotency_key: Caller key; at most one unfinished run per task + tenant + key
+            (partial unique indexes ``task_runs_idempotency_*_key``).
+        attempts: Handler executions started (the worker increments it when it takes the
+            run's lease).
+        available_at: When the run became (or becomes) due, database clock.
+        created_at / updated_at / started_at / finished_at: Life-cycle timestamps.
+        lease_owner / lease_expires_at: The worker executing the run and until when its
+            lease holds; renewed by the heartbeat. Another worker may take the run over
+            only after it expires.
+        last_error_type / last_error: The most recent failure (type name, message).
+        dead_lettered_at: When the worker sent the run's message to the DLQ.
+    """
+
+    __tablename__ = "task_runs"
+
+    run_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    task: Mapped[str] = mapped_column(Text)
+    event: Mapped[str | None] = mapped_column(Text)
+    queue: Mapped[str] = mapped_column(Text)
+    tenant_id: Mapped[int | None] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(Text, server_default=text("'queued'"))
+    idempotency_key: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    available_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ)
+    created_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+    updated_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+    started_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
+    lease_owner: Mapped[str | None] = mapped_column(Text)
+    lease_expires_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
+    last_error_type: Mapped[str | None] = mapped_column(Text)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    dead_lettered_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
+
+    __table_args__ = (
+        CheckConstraint("attempts >= 0", name="attempts"),
+        CheckConstraint(f"queue IN ({_QUEUE_LIST})", name="queue"),
+        CheckConstraint(f"status IN ({_STATUS_LIST})", name="status"),
+        Index(
+            "task_runs_idempotency_tenant_key",
+            "tenant_id",
+            "task",
+            "idempotency_key",
+            unique=True,
+            postgresql_where=text(
+                f"idempotency_key IS NOT NULL AND tenant_id IS NOT NULL "
+                f"AND status IN ({_UNFINISHED_LIST})"
+            ),
+        ),
+        Index(
+            "task_runs_idempotency_platform_key",
+            "task",
+            "idempotency_key",
+            unique=True,
+            postgresql_where=text(
+                f"idempotency_key IS NOT NULL AND tenant_id IS NULL "
+                f"AND status IN ({_UNFINISHED_LIST})"
+            ),
+        ),
+        Index(
+            "task_runs_finished_idx",
+            "finished_at",
+            postgresql_where=text("status IN ('succeeded', 'failed')"),
+        ),
+        Index("task_runs_status_idx", "status", "updated_at"),
+    )
+
+
+class TaskRunTrail(Base):
+    """One status change or error of a run, with its context.
+
+    Columns:
+        id: bigint identity; order of events. run_id: The run (cascade-deleted with it).
+        at: When, ``clock_timestamp()``. status: Status after this event.
+        attempt: Handler attempt number. receive_count: SQS ApproximateReceiveCount.
+        worker_id: Worker that recorded it. error_type / error_message / traceback:
+            The failure, when there was one (traceback is an excerpt, at most 4,000
+            characters). detail: Extra JSON context (DLQ reason, backoff seconds, ...).
+    """
+
+    __tablename__ = "task_run_trail"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    run_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("task_runs.run_id", ondelete="CASCADE")
+    )
+    at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+    status: Mapped[str] = mapped_column(Text)
+    attempt: Mapped[int | None] = mapped_column(Integer)
+    receive_count: Mapped[int | None] = mapped_column(Integer)
+    worker_id: Mapped[str | None] = mapped_column(Text)
+    error_type: Mapped[str | None] = mapped_column(Text)
+    error_message: Mapped[str | None] = mapped_column(Text)
+    traceback: Mapped[str | None] = mapped_column(Text)
+    detail: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+
+    __table_args__ = (Index("task_run_trail_run_id_idx", "run_id", "id"),)
+
+
+outbox_messages: Table = OutboxMessage.__table__  # type: ignore[assignment]
+platform_outbox_messages: Table = PlatformOutboxMessage.__table__  # type: ignore[assignment]
+task_runs: Table = TaskRun.__table__  # type: ignore[assignment]
+task_run_trail: Table = TaskRunTrail.__table__  # type: ignore[assignment]
+
+
+def set_tenant_foreign_key(target: str | Column[Any] | None) -> None:
+    """Point ``outbox_messages.tenant_id`` at ``target``, or at nothing.
+
+    Args:
+        target: ``"table.column"`` (resolved lazily, by name), a ``Column`` object of
+            the application's tenants table (what Alembic's autogenerate needs, since it
+            resolves foreign keys; see :func:`sqla_outbox.migrations.target_metadata`), or
+            None for no foreign key.
+
+    The default comes from ``SQLA_OUTBOX_TENANT_FOREIGN_KEY`` (``tenants.id``) when this
+    module is first imported; the migrations read the same variable.
+    """
+    for constraint in list(outbox_messages.foreign_key_constraints):
+        outbox_messages.constraints.discard(constraint)
+        for element in constraint.elements:
+            element.parent.foreign_keys.discard(element)
+        outbox_messages.foreign_keys.difference_update(constraint.elements)
+    if target is not None:
+        outbox_messages.append_constraint(
+            ForeignKeyConstraint(["tenant_id"], [target], name="outbox_messages_tenant_id_fkey")
+        )
+
+
+def tenant_foreign_key_target() -> str | None:
+    """The ``table.column`` (or ``schema.table.column``) the tenant FK references, if any."""
+    for constraint in outbox_messages.foreign_key_constraints:
+        return constraint.elements[0].target_fullname
+    return None
+
+
+def tenant_foreign_key_from_env() -> str | None:
+    """The tenant foreign key target named by ``SQLA_OUTBOX_TENANT_FOREIGN_KEY``."""
+    raw = os.environ.get("SQLA_OUTBOX_TENANT_FOREIGN_KEY", "tenants.id").strip()
+    return None if raw.lower() in {"", "none", "null", "off"} else raw
+
+
+set_tenant_foreign_key(tenant_foreign_key_from_env())

@@ -1,0 +1,56 @@
+"""Trace-context propagation through the envelope (optional OpenTelemetry).
+
+When ``opentelemetry-api`` is installed (``pip install sqla-outbox[otel]``), the
+dispatching code's current trace context is injected into the envelope's ``trace``
+carrier (W3C ``traceparent``/``tracestate``), and the worker starts the handler span as a
+child of it, so one trace covers the request that dispatched and the run that executed.
+Without OpenTelemetry both ends are no-ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+try:  # optional dependency
+    from opentelemetry import context as otel_context
+    from opentelemetry import propagate, trace
+except ImportError:  # pragma: no cover - exercised when the extra is absent
+    otel_context = None  # type: ignore[assignment]
+    propagate = None  # type: ignore[assignment]
+    trace = None  # type: ignore[assignment]
+
+TRACER_NAME = "sqla_outbox"
+
+
+def current_carrier() -> dict[str, str]:
+    """The current trace context as a W3C carrier dict; empty without OpenTelemetry."""
+    if propagate is None:
+        return {}
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return {k: v for k, v in carrier.items() if k in ("traceparent", "tracestate")}
+
+
+@contextlib.contextmanager
+def handler_span(
+    name: str, carrier: Mapping[str, str], attributes: Mapping[str, Any]
+) -> Iterator[Any]:
+    """Run the body inside a CONSUMER span continuing the trace in ``carrier``.
+
+    Yields the span (or None without OpenTelemetry). Exceptions are recorded on the span
+    and re-raised.
+    """
+    if trace is None or propagate is None or otel_context is None:
+        yield None
+        return
+    parent = propagate.extract(dict(carrier))
+    tracer = trace.get_tracer(TRACER_NAME)
+    with tracer.start_as_current_span(
+        name,
+        context=parent,
+        kind=trace.SpanKind.CONSUMER,
+        attributes={k: v for k, v in attributes.items() if v is not None},
+    ) as span:
+        yield span

@@ -1,0 +1,60 @@
+"""Leaf types shared by every layer: JSON values, queue names, run statuses.
+
+This module imports nothing from the package, so any module may import it.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from typing import TypeAlias, Union
+
+JSONScalar: TypeAlias = Union[str, int, float, bool, None]
+JSONValue: TypeAlias = Union[JSONScalar, list["JSONValue"], dict[str, "JSONValue"]]
+"""A value that ``json.dumps`` encodes without a custom encoder."""
+
+RunId: TypeAlias = uuid.UUID
+"""Identity of one unit of work: the outbox row, the envelope and the ``task_runs`` row share it."""
+
+
+class QueueName(str, enum.Enum):
+    """The four logical queues. The database CHECK constraints allow exactly these names.
+
+    Visibility timeouts (SPEC "Queues"): critical 60 s, default 120 s, bulk 15 min,
+    maintenance 5 min.
+    """
+
+    CRITICAL = "critical"
+    DEFAULT = "default"
+    BULK = "bulk"
+    MAINTENANCE = "maintenance"
+
+
+QUEUE_NAMES: tuple[str, ...] = tuple(q.value for q in QueueName)
+
+VISIBILITY_TIMEOUT_SECONDS: dict[str, int] = {
+    "critical": 60,
+    "default": 120,
+    "bulk": 15 * 60,
+    "maintenance": 5 * 60,
+}
+"""Per-queue SQS visibility timeout in seconds (SPEC "Queues")."""
+
+
+class RunStatus(str, enum.Enum):
+    """Life cycle of a ``task_runs`` row.
+
+    ``queued`` (at dispatch) → ``running`` → ``succeeded``; or ``running`` → ``retrying`` →
+    ``running`` … → ``failed``. A run returned on worker shutdown goes back to ``queued``.
+    """
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    RETRYING = "retrying"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+RUN_STATUSES: tuple[str, ...] = tuple(s.value for s in RunStatus)
+UNFINISHED_STATUSES: tuple[str, ...] = ("queued", "running", "retrying")
+FINISHED_STATUSES: tuple[str, ...] = ("succeeded", "failed")

@@ -1,0 +1,198 @@
+"""Writing prepared runs: the ``task_runs`` rows and their outbox rows in one statement.
+
+One flush's dispatches and publishes become a single ``INSERT ... SELECT FROM unnest(...)``
+statement whose data-modifying CTEs insert the runs (``ON CONFLICT DO NOTHING`` for
+idempotency keys and caller-chosen run ids) and, for the runs actually inserted, the
+outbox rows in ``outbox_messages`` or ``platform_outbox_messages``. The statement text is
+the same for any number of rows, so drivers that prepare statements reuse one plan, and
+a flush costs one round trip whatever it holds.
+
+``available_at`` is computed on the database clock (``clock_timestamp() + delay``), so a
+skewed application clock or a long transaction never shifts it, and the run row and the
+outbox row get the same value.
+
+A run that did not insert resolved to an existing run: for an idempotency key, the
+unfinished run with the same task + tenant + key (looked up in a second statement, which
+sees runs committed while this one waited on the unique index); for a caller-chosen
+``run_id``, that run.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import BigInteger, DateTime, Interval, Text, bindparam, text
+from sqlalchemy.dialects.postgresql import ARRAY, UUID
+from sqlalchemy.engine import Connection
+
+from sqla_outbox.dispatch import PreparedRun
+from sqla_outbox.types import UNFINISHED_STATUSES
+
+_INSERT = text(
+    """
+WITH input AS (
+    SELECT * FROM unnest(
+        CAST(:run_ids AS uuid[]), CAST(:tasks AS text[]), CAST(:events AS text[]),
+        CAST(:queues AS text[]), CAST(:tenant_ids AS bigint[]), CAST(:keys AS text[]),
+        CAST(:delays AS interval[]), CAST(:available_ats AS timestamptz[]),
+        CAST(:envelopes AS text[])
+    ) WITH ORDINALITY AS t(run_id, task, event, queue, tenant_id, idempotency_key,
+                           delay, available_at, envelope, ord)
+),
+runs AS (
+    INSERT INTO task_runs (run_id, task, event, queue, tenant_id, idempotency_key,
+                           available_at)
+    SELECT run_id, task, event, queue, tenant_id, idempotency_key,
+           COALESCE(available_at, clock_timestamp() + delay)
+    FROM input ORDER BY ord
+    ON CONFLICT DO NOTHING
+    RETURNING run_id, available_at
+),
+tenant_rows AS (
+    INSERT INTO outbox_messages (tenant_id, run_id, queue, envelope, available_at)
+    SELECT i.tenant_id, i.run_id, i.queue, CAST(i.envelope AS jsonb), r.available_at
+    FROM input AS i JOIN runs AS r ON r.run_id = i.run_id
+    WHERE i.tenant_id IS NOT NULL
+    ORDER BY i.ord
+),
+platform_rows AS (
+    INSERT INTO platform_outbox_messages (run_id, queue, envelope, available_at)
+    SELECT i.run_id, i.queue, CAST(i.envelope AS jsonb), r.available_at
+    FROM input AS i JOIN runs AS r ON r.run_id = i.run_id
+    WHERE i.tenant_id IS NULL
+    ORDER BY i.ord
+)
+SELECT run_id FROM runs
+"""
+).bindparams(
+    bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True))),
+    bindparam("tasks", type_=ARRAY(Text)),
+    bindparam("events", type_=ARRAY(Text)),
+    bindparam("queues", type_=ARRAY(Text)),
+    bindparam("tenant_ids", type_=ARRAY(BigInteger)),
+    bindparam("keys", type_=ARRAY(Text)),
+    bindparam("delays", type_=ARRAY(Interval)),
+    bindparam("available_ats", type_=ARRAY(DateTime(timezone=True))),
+    bindparam("envelopes", type_=ARRAY(Text)),
+)
+
+_UNFINISHED = ", ".join(f"'{s}'" for s in UNFINISHED_STATUSES)
+_FIND_BY_KEY = text(
+    f"""
+SELECT run_id, task, tenant_id, idempotency_key FROM task_runs
+WHERE idempotency_key = ANY(CAST(:keys AS text[]))
+  AND task = ANY(CAST(:tasks AS text[]))
+  AND status IN ({_UNFINISHED})
+"""
+).bindparams(
+    bindparam("keys", type_=ARRAY(Text)),
+    bindparam("tasks", type_=ARRAY(Text)),
+)
+
+_Key = tuple[str, int | None, str]
+
+
+def write_runs(connection: Connection, runs: Sequence[PreparedRun]) -> int:
+    """Insert ``runs`` and their outbox rows; set each run's ``resolved_run_id``.
+
+    Args:
+        connection: The flushing session's connection (inside its transaction).
+        runs: Prepared runs, in dispatch order.
+
+    Returns:
+        Number of outbox rows written (runs that did not resolve to an existing run).
+
+    Raises:
+        sqlalchemy.exc.DBAPIError: From the database, e.g. a tenant foreign key
+            violation; the session's transaction is then rolled back by SQLAlchemy.
+    """
+    unique: list[PreparedRun] = []
+    twins: list[tuple[PreparedRun, PreparedRun]] = []
+    first_by_key: dict[_Key, PreparedRun] = {}
+    first_by_id: dict[uuid.UUID, PreparedRun] = {}
+    for run in runs:
+        key = _key(run)
+        earlier = first_by_key.get(key) if key else None
+        earlier = earlier or first_by_id.get(run.run_id)
+        if earlier is not None:  # same key or run id twice in one flush
+            twins.append((run, earlier))
+            continue
+        if key:
+            first_by_key[key] = run
+        first_by_id[run.run_id] = run
+        unique.append(run)
+
+    written = 0
+    pending = unique
+    for _ in range(3):
+        if not pending:
+            break
+        inserted = {row[0] for row in connection.execute(_INSERT, _params(pending))}
+        written += len(inserted)
+        missing = []
+        for run in pending:
+            if run.run_id in inserted:
+                run.resolved_run_id = run.run_id
+                run.deduplicated = False
+            else:
+                run.deduplicated = True
+                missing.append(run)
+        pending = _resolve_existing(connection, missing)
+    for run, earlier in twins:
+        run.resolved_run_id = earlier.resolved_run_id
+        run.deduplicated = True
+    for run in runs:
+        run.source.record_resolution(run)
+    return written
+
+
+def _key(run: PreparedRun) -> _Key | None:
+    if run.idempotency_key is None:
+        return None
+    return (run.task, run.tenant_id, run.idempotency_key)
+
+
+def _resolve_existing(connection: Connection, missing: list[PreparedRun]) -> list[PreparedRun]:
+    """Point runs that lost an ON CONFLICT at the existing run; return those still unresolved.
+
+    A keyed run whose rival finished between the two statements is returned for another
+    insert attempt (its key is free again).
+    """
+    keyed = [run for run in missing if run.idempotency_key is not None]
+    found: dict[_Key, uuid.UUID] = {}
+    if keyed:
+        rows = connection.execute(
+            _FIND_BY_KEY,
+            {
+                "keys": sorted({run.idempotency_key for run in keyed if run.idempotency_key}),
+                "tasks": sorted({run.task for run in keyed}),
+            },
+        )
+        found = {(row.task, row.tenant_id, row.idempotency_key): row.run_id for row in rows}
+    retry = []
+    for run in missing:
+        key = _key(run)
+        if key is None:  # caller-chosen run_id that already exists
+            run.resolved_run_id = run.run_id
+        elif key in found:
+            run.resolved_run_id = found[key]
+        else:
+            retry.append(run)
+    return retry
+
+
+def _params(runs: Sequence[PreparedRun]) -> dict[str, Any]:
+    return {
+        "run_ids": [r.run_id for r in runs],
+        "tasks": [r.task for r in runs],
+        "events": [r.event for r in runs],
+        "queues": [r.queue for r in runs],
+        "tenant_ids": [r.tenant_id for r in runs],
+        "keys": [r.idempotency_key for r in runs],
+        "delays": [r.delay for r in runs],
+        "available_ats": [r.available_at for r in runs],
+        "envelopes": [json.dumps(r.envelope, separators=(",", ":")) for r in runs],
+    }

@@ -1,0 +1,372 @@
+"""Dispatch and Publish against real PostgreSQL: rows exist exactly when the commit does."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+import sqla_outbox
+from sqla_outbox import Dispatch, Publish, errors
+from sqla_outbox.catalog import Catalog
+from sqla_outbox.config import OutboxSettings
+from tests.support import count, outbox_rows, runs
+
+
+@pytest.fixture
+def factory(
+    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog
+) -> Iterator[sessionmaker[Session]]:
+    maker = sessionmaker(engine)
+    sqla_outbox.install(maker, settings, catalog=catalog)
+    yield maker
+    sqla_outbox.uninstall(maker)
+
+
+def wakes(valkey: redis.Redis, settings: OutboxSettings) -> int:
+    return int(valkey.llen(settings.wake_key))
+
+
+def test_dispatch_writes_one_outbox_row_and_one_queued_run(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with factory() as session, session.begin():
+        item = Dispatch("send_welcome", {"user_id": 7}, tenant_id=3)
+        run_id_at_build = item.run_id
+        session.add(item)
+    assert item.resolved_run_id == run_id_at_build
+    assert item.deduplicated is False
+    [row] = outbox_rows(engine)
+    assert row.kind == "tenant"
+    assert row.tenant_id == 3
+    assert row.run_id == run_id_at_build
+    assert row.queue == "default"
+    assert row.sent_at is None and row.attempts == 0
+    assert row.envelope["task"] == "send_welcome"
+    assert json.loads(row.envelope["payload"]) == {"user_id": 7}
+    [run] = runs(engine)
+    assert (run.run_id, run.status, run.task, run.tenant_id) == (
+        run_id_at_build, "queued", "send_welcome", 3
+    )
+    assert run.available_at == row.available_at
+
+
+def test_without_tenant_the_row_goes_to_the_platform_outbox(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with factory() as session, session.begin():
+        session.add(Dispatch("rebuild_cache", {}))
+    [row] = outbox_rows(engine)
+    assert row.kind == "platform"
+    assert row.queue == "maintenance"
+    assert runs(engine)[0].tenant_id is None
+
+
+def test_rollback_leaves_nothing_and_sends_no_wake(
+    factory: sessionmaker[Session], engine: sa.Engine, valkey: redis.Redis, settings: OutboxSettings
+) -> None:
+    with factory() as session:
+        session.add(Dispatch("send_welcome", {"user_id": 1}, tenant_id=1))
+        session.flush()
+        assert count(engine, "task_runs") == 0  # not visible outside the transaction
+        session.rollback()
+    assert outbox_rows(engine) == []
+    assert runs(engine) == []
+    assert wakes(valkey, settings) == 0
+
+
+def test_exception_inside_the_transaction_rolls_the_dispatch_back(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with pytest.raises(RuntimeError), factory() as session, session.begin():
+        session.add(Dispatch("send_welcome", tenant_id=1))
+        session.flush()
+        raise RuntimeError("use case failed after the flush")
+    assert count(engine, "task_runs") == 0
+    assert count(engine, "outbox_messages") == 0
+
+
+def test_one_commit_one_wake_however_many_rows(
+    factory: sessionmaker[Session], valkey: redis.Redis, settings: OutboxSettings
+) -> None:
+    with factory() as session, session.begin():
+        session.add_all([Dispatch("audit", {"n": n}) for n in range(5)])
+        session.add(Publish("user.created", {"user_id": 1}))
+    assert wakes(valkey, settings) == 1
+    with factory() as session, session.begin():
+        session.add(Dispatch("audit"))
+    assert wakes(valkey, settings) == 2
+
+
+def test_commit_without_outbox_rows_sends_no_wake(
+    factory: sessionmaker[Session], valkey: redis.Redis, settings: OutboxSettings
+) -> None:
+    with factory() as session, session.begin():
+        session.execute(sa.text("UPDATE tenants SET name = 'x' WHERE id = 1"))
+    with factory() as session, session.begin():
+        session.add(Publish("nobody.listens", {}))  # known event, no subscribers
+    assert wakes(valkey, settings) == 0
+
+
+def test_many_dispatches_in_one_flush_are_one_statement(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany) -> None:  # noqa: ANN001
+        statements.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    try:
+        with factory() as session, session.begin():
+            session.add_all(
+                [Dispatch("audit", {"n": n}, tenant_id=1 + n % 3) for n in range(100)]
+                + [Dispatch("rebuild_cache", {"n": n}) for n in range(20)]
+            )
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", record)
+    inserts = [s for s in statements if "INSERT INTO task_runs" in s]
+    assert len(inserts) == 1
+    assert count(engine, "task_runs") == 120
+    assert count(engine, "outbox_messages") == 100
+    assert count(engine, "platform_outbox_messages") == 20
+
+
+def test_dispatch_order_is_kept_in_row_ids(factory: sessionmaker[Session], engine: sa.Engine) -> None:
+    items = [Dispatch("audit", {"n": n}, tenant_id=2) for n in range(10)]
+    with factory() as session, session.begin():
+        session.add_all(items)
+    with engine.connect() as conn:
+        ordered = [r[0] for r in conn.execute(sa.text("SELECT run_id FROM outbox_messages ORDER BY id"))]
+    assert ordered == [i.run_id for i in items]
+
+
+def test_publish_fans_out_one_run_per_subscriber(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with factory() as session, session.begin():
+        event = Publish("user.created", {"user_id": 9}, tenant_id=4)
+        session.add(event)
+        assert set(event.runs) == {"send_welcome", "index_user"}
+    rows = outbox_rows(engine)
+    assert {(r.envelope["task"], r.queue) for r in rows} == {
+        ("send_welcome", "default"),
+        ("index_user", "bulk"),
+    }
+    assert {r.envelope["event"] for r in rows} == {"user.created"}
+    assert {r.run_id for r in rows} == set(event.runs.values())
+    assert len({r.run_id for r in rows}) == 2
+    assert event.resolved_run_ids == event.runs
+    assert {r.event for r in runs(engine)} == {"user.created"}
+
+
+def test_delay_is_measured_on_the_database_clock(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with factory() as session, session.begin():
+        session.execute(sa.text("SELECT pg_sleep(0.3)"))  # a long transaction
+        session.add(Dispatch("audit", {}, delay=dt.timedelta(seconds=30)))
+        session.flush()
+        transaction_start, clock = session.execute(sa.text("SELECT now(), clock_timestamp()")).one()
+    [row] = outbox_rows(engine)
+    assert row.available_at.tzinfo is not None
+    # 30 s after the insert, not after the transaction began
+    assert row.available_at - transaction_start >= dt.timedelta(seconds=30.3)
+    assert abs((row.available_at - clock) - dt.timedelta(seconds=30)) < dt.timedelta(seconds=1)
+
+
+def test_delay_accepts_seconds_and_long_durations(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with factory() as session, session.begin():
+        session.add(Dispatch("audit", {"n": 1}, delay=90))
+        session.add(Dispatch("audit", {"n": 2}, delay=dt.timedelta(days=3650)))
+    rows = sorted(outbox_rows(engine), key=lambda r: r.available_at)
+    assert dt.timedelta(seconds=89) < rows[0].available_at - rows[0].created_at < dt.timedelta(seconds=91)
+    assert rows[1].available_at - rows[1].created_at > dt.timedelta(days=3649)
+
+
+def test_available_at_is_absolute_and_timezone_safe(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    due = dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=dt.timezone(dt.timedelta(hours=-3)))
+    with factory() as session, session.begin():
+        session.execute(sa.text("SET LOCAL TIME ZONE 'Asia/Tokyo'"))
+        session.add(Dispatch("audit", {}, available_at=due))
+    [row] = outbox_rows(engine)
+    assert row.available_at == due
+    assert row.available_at.utcoffset() is not None
+
+
+def test_connection_time_zone_does_not_shift_available_at(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with factory() as session, session.begin():
+        session.execute(sa.text("SET LOCAL TIME ZONE 'America/Sao_Paulo'"))
+        session.add(Dispatch("audit", {}, delay=60))
+        db_now = session.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
+    [row] = outbox_rows(engine)
+    assert dt.timedelta(seconds=59) < row.available_at - db_now < dt.timedelta(seconds=61)
+
+
+# --- idempotency -------------------------------------------------------------------------
+def test_duplicate_idempotency_key_resolves_to_the_existing_run(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with factory() as session, session.begin():
+        first = Dispatch("send_welcome", {"v": 1}, tenant_id=5, idempotency_key="welcome:5")
+        session.add(first)
+    with factory() as session, session.begin():
+        second = Dispatch("send_welcome", {"v": 2}, tenant_id=5, idempotency_key="welcome:5")
+        session.add(second)
+    assert second.deduplicated is True
+    assert second.resolved_run_id == first.run_id
+    assert second.run_id != first.run_id
+    assert count(engine, "task_runs") == 1
+    assert count(engine, "outbox_messages") == 1
+
+
+def test_idempotency_key_is_scoped_by_task_and_tenant(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with factory() as session, session.begin():
+        session.add(Dispatch("send_welcome", tenant_id=5, idempotency_key="k"))
+        session.add(Dispatch("send_welcome", tenant_id=6, idempotency_key="k"))
+        session.add(Dispatch("audit", tenant_id=5, idempotency_key="k"))
+        session.add(Dispatch("audit", idempotency_key="k"))  # platform
+        session.add(Dispatch("audit", idempotency_key="k"))  # platform duplicate
+    assert count(engine, "task_runs") == 4
+
+
+def test_duplicates_in_one_flush_resolve_to_the_first(factory: sessionmaker[Session]) -> None:
+    with factory() as session, session.begin():
+        a = Dispatch("audit", tenant_id=1, idempotency_key="same")
+        b = Dispatch("audit", tenant_id=1, idempotency_key="same")
+        session.add_all([a, b])
+    assert a.resolved_run_id == a.run_id and not a.deduplicated
+    assert b.resolved_run_id == a.run_id and b.deduplicated
+
+
+def test_key_is_free_again_once_the_run_finished(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with factory() as session, session.begin():
+        first = Dispatch("audit", tenant_id=1, idempotency_key="nightly:1")
+        session.add(first)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE task_runs SET status = 'succeeded'"))
+    with factory() as session, session.begin():
+        again = Dispatch("audit", tenant_id=1, idempotency_key="nightly:1")
+        session.add(again)
+    assert again.resolved_run_id == again.run_id
+    assert count(engine, "task_runs") == 2
+
+
+def test_caller_chosen_run_id_is_quietly_deduplicated(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    run_id = uuid.uuid4()
+    for _ in range(2):
+        with factory() as session, session.begin():
+            item = Dispatch("rebuild_cache", run_id=run_id)
+            session.add(item)
+    assert item.resolved_run_id == run_id and item.deduplicated
+    assert count(engine, "task_runs") == 1
+    assert count(engine, "platform_outbox_messages") == 1
+
+
+def test_dispatch_helper_returns_the_resolved_run(factory: sessionmaker[Session]) -> None:
+    with factory() as session, session.begin():
+        first = sqla_outbox.dispatch(session, "audit", {"a": 1}, tenant_id=1, idempotency_key="x")
+        second = sqla_outbox.dispatch(session, "audit", {"a": 2}, tenant_id=1, idempotency_key="x")
+        fanned = sqla_outbox.publish(session, "user.created", {"u": 1})
+    assert first == second
+    assert set(fanned) == {"send_welcome", "index_user"}
+
+
+# --- bad input ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("make", "error", "fragment"),
+    [
+        (lambda: Dispatch("ghost_task"), errors.UnknownTask, "'ghost_task'"),
+        (lambda: Publish("ghost.event"), errors.UnknownEvent, "'ghost.event'"),
+        (lambda: Dispatch("charge_card", {"amount": 1}), errors.InvalidDispatch, "pass tenant_id"),
+        (lambda: Dispatch("rebuild_cache", tenant_id=1), errors.InvalidDispatch, "takes no tenant_id"),
+        (lambda: Dispatch("audit", {"blob": "x" * 300_000}), errors.EnvelopeTooLarge, "262144"),
+    ],
+)
+def test_bad_input_is_refused_at_add_and_nothing_is_written(
+    factory: sessionmaker[Session], engine: sa.Engine, make, error, fragment: str
+) -> None:
+    with factory() as session, session.begin():
+        session.add(Dispatch("audit", {"kept": True}))  # committed work must survive
+        bad = make()
+        with pytest.raises(error) as caught:
+            session.add(bad)
+        assert bad not in session
+        assert fragment in str(caught.value)
+    assert [json.loads(r.envelope["payload"]) for r in outbox_rows(engine)] == [{"kept": True}]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        ({"payload": {"raw": b"\x00"}}, errors.PayloadNotSerializable, "bytes at $.raw"),
+        ({"payload": {"s": {1}}}, errors.PayloadNotSerializable, "set at $.s"),
+        ({"payload": {"x": float("nan")}}, errors.PayloadNotSerializable, "NaN"),
+        ({"payload": [float("-inf")]}, errors.PayloadNotSerializable, "JSON has no NaN/Infinity"),
+        ({"payload": {"o": object()}}, errors.PayloadNotSerializable, "object at $.o"),
+        ({"queue": "urgent"}, errors.UnknownQueue, "unknown queue 'urgent'"),
+        ({"delay": -1}, errors.InvalidDispatch, "must not be negative"),
+        ({"delay": dt.timedelta(seconds=-5)}, errors.InvalidDispatch, "must not be negative"),
+        ({"delay": float("nan")}, errors.InvalidDispatch, "finite"),
+        ({"delay": dt.timedelta(days=999_999_999)}, errors.InvalidDispatch, "past year 9999"),
+        ({"available_at": dt.datetime(2030, 1, 1)}, errors.InvalidDispatch, "naive"),
+        ({"delay": 5, "available_at": dt.datetime(2030, 1, 1, tzinfo=dt.UTC)},
+         errors.InvalidDispatch, "not both"),
+        ({"tenant_id": "3"}, errors.InvalidDispatch, "tenant_id must be an integer"),
+        ({"tenant_id": True}, errors.InvalidDispatch, "tenant_id must be an integer"),
+        ({"idempotency_key": ""}, errors.InvalidDispatch, "idempotency_key"),
+        ({"run_id": "not-a-uuid"}, errors.InvalidDispatch, "run_id"),
+    ],
+)
+def test_bad_options_fail_at_construction_naming_the_task(kwargs, error, fragment: str) -> None:
+    payload = kwargs.pop("payload", {})
+    with pytest.raises(error) as caught:
+        Dispatch("audit", payload, **kwargs)
+    assert "'audit'" in str(caught.value)
+    assert fragment in str(caught.value)
+    assert caught.value.task == "audit"
+
+
+def test_bad_task_name_is_refused() -> None:
+    with pytest.raises(errors.InvalidDispatch):
+        Dispatch("no spaces allowed")
+
+
+def test_payload_over_a_raised_limit_is_accepted(
+    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog
+) -> None:
+    maker = sessionmaker(engine)
+    sqla_outbox.install(maker, settings.replace(max_message_bytes=1_048_576), catalog=catalog)
+    try:
+        with maker() as session, session.begin():
+            session.add(Dispatch("audit", {"blob": "x" * 500_000}))
+        assert count(engine, "platform_outbox_messages") == 1
+    finally:
+        sqla_outbox.uninstall(maker)
+
+
+def test_unknown_tenant_violates_the_foreign_key_at_flush(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with pytest.raises(sa.exc.IntegrityError, match="outbox_messages_tenant_id_fkey"):
+        with factory() as session, session.begin():
+            session.add(Dispatch("audit", tenant_id=999_999))
+    assert count(engine, "task_runs") == 0

@@ -1,0 +1,215 @@
+"""The bundled migrations: standalone, inside an application's Alembic, from a wheel."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from sqla_outbox import models
+from tests import support
+
+ROOT = Path(__file__).resolve().parents[2]
+OUR_TABLES = {"outbox_messages", "platform_outbox_messages", "task_runs", "task_run_trail"}
+
+
+@pytest.fixture
+def empty_db(pg_url: str) -> Iterator[str]:
+    """A brand-new empty database (libpq URL)."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    support.create_database(pg_url, name)
+    yield support.database_url(pg_url, name)
+    support.drop_database(pg_url, name)
+
+
+def alembic(args: list[str], *, url: str, config: Path, env: dict[str, str] | None = None,
+            python: str = sys.executable, extra_path: str | None = None,
+            cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_OUTBOX_")}
+    full_env.update(
+        {"SQLA_OUTBOX_DATABASE_URL": url, "SHOP_DATABASE_URL": url, "DATABASE_URL": url}
+    )
+    if extra_path:
+        full_env["PYTHONPATH"] = extra_path
+    full_env.update(env or {})
+    result = subprocess.run(
+        [python, "-m", "alembic", "-c", str(config), *args],
+        capture_output=True, text=True, env=full_env, cwd=cwd, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def tables(url: str) -> set[str]:
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
+        ).fetchall()
+    return {r[0] for r in rows}
+
+
+def constraints(url: str, table: str) -> dict[str, str]:
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
+            "WHERE conrelid = %s::regclass",
+            (table,),
+        ).fetchall()
+    return dict(rows)
+
+
+def with_tenants(url: str, table: str = "tenants") -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY)")
+
+
+def test_standalone_upgrade_downgrade_and_offline_sql(empty_db: str) -> None:
+    with_tenants(empty_db)
+    config = ROOT / "alembic.ini"
+    alembic(["upgrade", "head"], url=empty_db, config=config)
+    assert OUR_TABLES <= tables(empty_db)
+    with psycopg.connect(empty_db) as conn:
+        version = conn.execute("SELECT version_num FROM sqla_outbox_alembic_version").fetchall()
+    assert version == [("sqlaob_0001",)]
+    offline = alembic(["upgrade", "head", "--sql"], url=empty_db, config=config)
+    assert "CREATE TABLE outbox_messages" in offline.stdout
+    assert "CONSTRAINT outbox_messages_envelope_check" in offline.stdout
+    assert "GENERATED ALWAYS AS IDENTITY" in offline.stdout
+    alembic(["downgrade", "base"], url=empty_db, config=config)
+    assert not OUR_TABLES & tables(empty_db)
+
+
+def test_schema_is_what_the_spec_says(database_url: str) -> None:
+    url = database_url.replace("+psycopg", "")
+    for table in ("outbox_messages", "platform_outbox_messages"):
+        found = constraints(url, table)
+        assert found[f"{table}_attempts_check"] == "CHECK ((attempts >= 0))"
+        assert found[f"{table}_envelope_check"] == "CHECK ((jsonb_typeof(envelope) = 'object'::text))"
+        assert "'critical'::text, 'default'::text, 'bulk'::text, 'maintenance'::text" in found[
+            f"{table}_queue_check"
+        ]
+        assert found[f"{table}_pkey"] == "PRIMARY KEY (id)"
+        assert found[f"{table}_run_id_key"] == "UNIQUE (run_id)"
+    assert constraints(url, "outbox_messages")["outbox_messages_tenant_id_fkey"] == (
+        "FOREIGN KEY (tenant_id) REFERENCES tenants(id)"
+    )
+    with psycopg.connect(url) as conn:
+        columns = conn.execute(
+            "SELECT table_name, column_name, data_type, is_nullable, column_default, "
+            "is_identity, identity_generation FROM information_schema.columns "
+            "WHERE table_name IN ('outbox_messages', 'platform_outbox_messages')"
+        ).fetchall()
+        index = conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'outbox_messages_pending_idx'"
+        ).fetchone()
+    spec = {
+        "id": ("bigint", "NO"),
+        "tenant_id": ("bigint", "NO"),
+        "run_id": ("uuid", "NO"),
+        "queue": ("text", "NO"),
+        "envelope": ("jsonb", "NO"),
+        "available_at": ("timestamp with time zone", "NO"),
+        "sent_at": ("timestamp with time zone", "YES"),
+        "attempts": ("integer", "NO"),
+        "created_at": ("timestamp with time zone", "NO"),
+    }
+    for table, column, data_type, nullable, default, is_identity, generation in columns:
+        assert (data_type, nullable) == spec[column], (table, column)
+        if column == "id":
+            assert (is_identity, generation) == ("YES", "ALWAYS")
+        if column == "created_at":
+            assert default == "clock_timestamp()"
+        if column == "attempts":
+            assert default == "0"
+    assert {c[1] for c in columns if c[0] == "platform_outbox_messages"} == set(spec) - {"tenant_id"}
+    assert index is not None and "(available_at, id) WHERE (sent_at IS NULL)" in index[0]
+
+
+def test_models_match_the_migrations(database_url: str) -> None:
+    engine = sa.create_engine(database_url)
+    tenants = sa.Table("tenants", sa.MetaData(), autoload_with=engine)
+    models.set_tenant_foreign_key(tenants.c.id)
+    try:
+        with engine.connect() as conn:
+            context = MigrationContext.configure(
+                conn,
+                opts={
+                    "compare_type": True,
+                    "include_name": lambda name, type_, parent: type_ != "table"
+                    or name in OUR_TABLES,
+                },
+            )
+            diff = compare_metadata(context, models.metadata)
+    finally:
+        models.set_tenant_foreign_key("tenants.id")
+        engine.dispose()
+    assert diff == []
+
+
+@pytest.mark.parametrize(("setting", "expected"), [("accounts.id", "REFERENCES accounts(id)"), ("none", None)])
+def test_tenant_foreign_key_is_configurable(empty_db: str, setting: str, expected: str | None) -> None:
+    with_tenants(empty_db, "accounts")
+    alembic(["upgrade", "head"], url=empty_db, config=ROOT / "alembic.ini",
+            env={"SQLA_OUTBOX_TENANT_FOREIGN_KEY": setting})
+    found = constraints(empty_db, "outbox_messages")
+    fkey = found.get("outbox_messages_tenant_id_fkey")
+    if expected is None:
+        assert fkey is None
+    else:
+        assert fkey is not None and expected in fkey
+
+
+def _shop_recipe(url: str, *, python: str = sys.executable, root: Path = ROOT,
+                 extra_path: str | None = None) -> None:
+    config = root / "examples" / "shop" / "alembic.ini"
+    kwargs = {"url": url, "config": config, "python": python, "extra_path": extra_path, "cwd": root}
+    alembic(["upgrade", "heads"], **kwargs)
+    assert OUR_TABLES | {"tenants", "products", "orders", "shop_effects", "alembic_version"} <= tables(url)
+    with psycopg.connect(url) as conn:
+        runs = conn.execute("SELECT task, tenant_id, status FROM task_runs ORDER BY tenant_id").fetchall()
+        outbox = conn.execute("SELECT count(*) FROM outbox_messages").fetchone()
+    assert runs == [("welcome_tenant", t, "queued") for t in (1, 2, 3)]  # the data migration
+    assert outbox == (3,)
+    check = alembic(["check"], **kwargs)
+    assert "No new upgrade operations detected" in check.stdout + check.stderr
+    alembic(["downgrade", "base"], **kwargs)
+    assert not (OUR_TABLES | {"tenants", "orders"}) & tables(url)
+
+
+def test_application_alembic_environment_recipe(empty_db: str) -> None:
+    _shop_recipe(empty_db, extra_path=str(ROOT))
+
+
+def test_migrations_work_from_an_installed_wheel(empty_db: str, tmp_path: Path) -> None:
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(ROOT)],
+        check=True, capture_output=True, timeout=300,
+    )
+    [wheel] = dist.glob("*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    fresh = str(venv / "bin" / "python")
+    subprocess.run([fresh, "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True, timeout=300)
+    # dependencies come from the test environment; sqla_outbox itself only from the wheel
+    deps = next(p for p in sys.path if p.endswith("site-packages"))
+    app = tmp_path / "app"
+    shutil.copytree(ROOT / "examples", app / "examples",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    where = subprocess.run(
+        [fresh, "-c", "import sqla_outbox, sqla_outbox.migrations as m; print(sqla_outbox.__file__)"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": f"{app}:{deps}"}, cwd=app,
+        check=True,
+    )
+    assert where.stdout.startswith(str(venv)), where.stdout
+    _shop_recipe(empty_db, python=fresh, root=app, extra_path=f"{app}:{deps}")

@@ -1,0 +1,169 @@
+"""The wake after commit: one LPUSH, bounded list, and Valkey trouble never reaches the app."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+import sqla_outbox
+from sqla_outbox import Dispatch
+from sqla_outbox.catalog import Catalog
+from sqla_outbox.config import OutboxSettings
+from tests.support import black_hole, closed_port_url, count, free_port, wait_for
+
+
+def installed(engine: sa.Engine, settings: OutboxSettings, catalog: Catalog) -> sessionmaker[Session]:
+    maker = sessionmaker(engine)
+    sqla_outbox.install(maker, settings, catalog=catalog)
+    return maker
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[sessionmaker[Session]]]:
+    makers: list[sessionmaker[Session]] = []
+    yield makers
+    for maker in makers:
+        sqla_outbox.uninstall(maker)
+
+
+def commit_one(maker: sessionmaker[Session]) -> float:
+    started = time.monotonic()
+    with maker() as session, session.begin():
+        session.add(Dispatch("audit", {}))
+    return time.monotonic() - started
+
+
+def test_wake_list_stays_bounded_while_no_relay_listens(
+    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, valkey: redis.Redis, cleanup: list
+) -> None:
+    maker = installed(engine, settings.replace(wake_list_max=5), catalog)
+    cleanup.append(maker)
+    for _ in range(40):
+        commit_one(maker)
+    assert valkey.llen(settings.wake_key) == 5
+    assert sqla_outbox.installation_for(maker).waker.stats.sent == 40  # type: ignore[union-attr]
+
+
+def test_valkey_refusing_connections_never_reaches_the_app(
+    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, cleanup: list,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    maker = installed(engine, settings.replace(valkey_url=closed_port_url()), catalog)
+    cleanup.append(maker)
+    with caplog.at_level(logging.WARNING, logger="sqla_outbox"):
+        durations = [commit_one(maker) for _ in range(5)]
+    assert count(engine, "task_runs") == 5
+    assert max(durations) < 0.5
+    stats = sqla_outbox.installation_for(maker).waker.stats  # type: ignore[union-attr]
+    assert (stats.sent, stats.failed, stats.skipped) == (0, 1, 4)
+    warnings = [r for r in caplog.records if "wake failed" in r.getMessage()]
+    assert len(warnings) == 1  # once per outage, not once per commit
+
+
+def test_hung_valkey_adds_at_most_the_wake_timeout(
+    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, cleanup: list
+) -> None:
+    with black_hole() as url:
+        maker = installed(engine, settings.replace(valkey_url=url, wake_timeout_ms=100), catalog)
+        cleanup.append(maker)
+        first = commit_one(maker)
+        second = commit_one(maker)  # breaker open: no wait at all
+    assert count(engine, "task_runs") == 2
+    assert first < 0.6  # 100 ms bound plus the commit itself on a busy machine
+    assert second < first
+    stats = sqla_outbox.installation_for(maker).waker.stats  # type: ignore[union-attr]
+    assert (stats.failed, stats.skipped) == (1, 1)
+
+
+def test_wakes_resume_when_valkey_comes_back(
+    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, cleanup: list,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = shutil.which("redis-server") or shutil.which("valkey-server")
+    if server is None:  # pragma: no cover - the CI machine has it
+        pytest.fail("redis-server or valkey-server is needed for this test")
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    maker = installed(engine, settings.replace(valkey_url=url, wake_retry_seconds=0.2), catalog)
+    cleanup.append(maker)
+    commit_one(maker)  # nothing listens yet: fails
+    process = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        client = redis.Redis.from_url(url)
+        wait_for(lambda: _pings(client), timeout=10)
+        time.sleep(0.25)  # past the retry window
+        with caplog.at_level(logging.INFO, logger="sqla_outbox"):
+            commit_one(maker)
+        assert client.llen(settings.wake_key) == 1
+        assert any("wake recovered" in r.getMessage() for r in caplog.records)
+        client.close()
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def test_no_valkey_configured_means_sweep_only(
+    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, cleanup: list
+) -> None:
+    maker = installed(engine, settings.replace(valkey_url=None), catalog)
+    cleanup.append(maker)
+    commit_one(maker)
+    assert count(engine, "task_runs") == 1
+
+
+def test_rows_exist_when_the_process_dies_right_after_commit(
+    database_url: str, settings: OutboxSettings, valkey: redis.Redis, tmp_path: Path
+) -> None:
+    """Commit, then SIGKILL before anything else runs (not even the wake)."""
+    script = tmp_path / "crash.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, signal
+            import sqlalchemy as sa
+            from sqlalchemy.orm import sessionmaker
+            import sqla_outbox
+            from sqla_outbox import Dispatch, OutboxSettings
+
+            engine = sa.create_engine({database_url!r})
+            maker = sessionmaker(engine)
+            # runs before sqla_outbox's own after_commit listener: the wake never happens
+            sa.event.listen(maker, "after_commit", lambda s: os.kill(os.getpid(), signal.SIGKILL))
+            sqla_outbox.install(maker, OutboxSettings(
+                database_url={database_url!r}, valkey_url={settings.valkey_url!r},
+                wake_key={settings.wake_key!r}, catalog_path={settings.catalog_path!r}))
+            with maker() as session, session.begin():
+                session.add(Dispatch("audit", {{"survives": True}}, tenant_id=1))
+            print("unreachable")
+            """
+        )
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == -9, result.stderr
+    assert "unreachable" not in result.stdout
+    engine = sa.create_engine(database_url)
+    assert count(engine, "outbox_messages") == 1
+    assert count(engine, "task_runs") == 1
+    engine.dispose()
+    assert valkey.llen(settings.wake_key) == 0

@@ -1,0 +1,76 @@
+"""Settings: environment names, precedence, validation against SQS limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from sqla_outbox import errors
+from sqla_outbox.config import OutboxSettings, env_names, redact_url, sqlalchemy_url
+
+
+def test_defaults_are_valid_and_documented() -> None:
+    settings = OutboxSettings()
+    assert settings.max_message_bytes == 262_144
+    assert settings.worker_queues == ("critical", "default", "bulk", "maintenance")
+    import dataclasses
+
+    for field in dataclasses.fields(OutboxSettings):
+        assert field.metadata["doc"], field.name
+
+
+def test_prefixed_variable_beats_bare_alias_which_beats_default() -> None:
+    env = {"DATABASE_URL": "postgresql://bare/db"}
+    assert OutboxSettings.from_env(env).database_url == "postgresql://bare/db"
+    env["SQLA_OUTBOX_DATABASE_URL"] = "postgresql://prefixed/db"
+    assert OutboxSettings.from_env(env).database_url == "postgresql://prefixed/db"
+    chosen = OutboxSettings.from_env(env, database_url="postgresql://cli/db")
+    assert chosen.database_url == "postgresql://cli/db"
+    assert OutboxSettings.from_env(env, database_url=None).database_url == "postgresql://prefixed/db"
+
+
+def test_types_are_parsed() -> None:
+    settings = OutboxSettings.from_env(
+        {
+            "QUEUES": "critical, bulk",
+            "SQLA_OUTBOX_WORKER_CONCURRENCY": "16",
+            "SQLA_OUTBOX_RELAY_SWEEP_INTERVAL_SECONDS": "2.5",
+            "SQLA_OUTBOX_WORKER_RUN_RELAY": "true",
+            "REDIS_URL": "none",
+            "SQLA_OUTBOX_TENANT_FOREIGN_KEY": "",
+        }
+    )
+    assert settings.worker_queues == ("critical", "bulk")
+    assert settings.worker_concurrency == 16
+    assert settings.relay_sweep_interval_seconds == 2.5
+    assert settings.worker_run_relay is True
+    assert settings.valkey_url is None
+    assert settings.tenant_foreign_key is None
+
+
+@pytest.mark.parametrize(
+    ("env", "variable"),
+    [
+        ({"SQLA_OUTBOX_WORKER_CONCURRENCY": "many"}, "SQLA_OUTBOX_WORKER_CONCURRENCY"),
+        ({"SQLA_OUTBOX_WORKER_WAIT_SECONDS": "21"}, "SQLA_OUTBOX_WORKER_WAIT_SECONDS"),
+        ({"SQLA_OUTBOX_MAX_MESSAGE_BYTES": "2000000"}, "SQLA_OUTBOX_MAX_MESSAGE_BYTES"),
+        ({"QUEUES": "critical,urgent"}, "SQLA_OUTBOX_WORKER_QUEUES"),
+        ({"SQLA_OUTBOX_WORKER_BACKOFF_MAX_SECONDS": "50000"}, "SQLA_OUTBOX_WORKER_BACKOFF_MAX_SECONDS"),
+        ({"SQLA_OUTBOX_QUEUE_PREFIX": "bad prefix"}, "SQLA_OUTBOX_QUEUE_PREFIX"),
+        ({"SQLA_OUTBOX_WORKER_RUN_RELAY": "maybe"}, "SQLA_OUTBOX_WORKER_RUN_RELAY"),
+    ],
+)
+def test_bad_values_name_the_variable(env: dict[str, str], variable: str) -> None:
+    with pytest.raises(errors.ConfigurationError) as caught:
+        OutboxSettings.from_env(env)
+    assert variable in str(caught.value)
+
+
+def test_env_names_list_prefix_first_then_aliases() -> None:
+    assert env_names("valkey_url") == ("SQLA_OUTBOX_VALKEY_URL", "VALKEY_URL", "REDIS_URL")
+
+
+def test_url_helpers() -> None:
+    assert sqlalchemy_url("postgresql://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert sqlalchemy_url("postgresql+asyncpg://u@h/db") == "postgresql+asyncpg://u@h/db"
+    assert redact_url("postgresql://user:s3cret@host/db") == "postgresql://user:***@host/db"
+    assert "s3cret" not in str(OutboxSettings(database_url="postgresql://u:s3cret@h/d").redacted())

@@ -1,0 +1,159 @@
+"""Envelope encoding, payload rules and decoding of untrusted bodies."""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import json
+import uuid
+
+import pytest
+
+from sqla_outbox import envelope, errors
+
+
+def make(**overrides: object) -> envelope.Envelope:
+    fields: dict[str, object] = {
+        "run_id": uuid.uuid4(),
+        "task": "send_welcome",
+        "queue": "default",
+        "tenant_id": 3,
+        "payload_json": '{"user_id":7}',
+    }
+    fields.update(overrides)
+    return envelope.Envelope(**fields)  # type: ignore[arg-type]
+
+
+def test_encode_then_decode_round_trips() -> None:
+    original = make(event="user.created", idempotency_key="k", trace={"traceparent": "00-a-b-01"})
+    decoded = envelope.decode(original.encode(), max_bytes=262_144)
+    assert decoded == original
+    assert decoded.payload == {"user_id": 7}
+
+
+def test_body_is_compact_ascii_json() -> None:
+    body = make(payload_json=envelope.encode_payload("t", {"name": "Zoë ☃"})).encode()
+    assert body.isascii()
+    assert json.loads(json.loads(body)["payload"]) == {"name": "Zoë ☃"}
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"a": [1, 2.5, None, True, "x"]},
+        [],
+        "just a string",
+        12345678901234567890123,
+        1e16,
+        -0.0,
+        {"nul": "\x00", "surrogate": "\ud800"},
+    ],
+)
+def test_plain_json_payloads_encode_to_text_that_parses_back(payload: object) -> None:
+    text = envelope.encode_payload("t", payload)
+    back = json.loads(text)
+    assert json.dumps(back) == json.dumps(payload)
+    assert type(back) is type(payload)
+
+
+@pytest.mark.parametrize(
+    ("payload", "fragment"),
+    [
+        (b"bytes", "bytes at $"),
+        ({"tags": {1, 2}}, "set at $.tags"),
+        ({"x": [float("nan")]}, "nan at $.x[0]"),
+        ({"x": float("inf")}, "inf at $.x"),
+        ({"when": dt.datetime(2026, 1, 1)}, "datetime at $.when; pass value.isoformat()"),
+        ({"id": uuid.uuid4()}, "UUID at $.id; pass str(value)"),
+        ({"amount": decimal.Decimal("1.10")}, "Decimal at $.amount"),
+        ({1: "int key"}, "key 1 (int) at $"),
+        ({"obj": object()}, "object at $.obj"),
+    ],
+)
+def test_non_json_payloads_are_refused_with_the_path(payload: object, fragment: str) -> None:
+    with pytest.raises(errors.PayloadNotSerializable) as caught:
+        envelope.encode_payload("send_welcome", payload)
+    assert caught.value.task == "send_welcome"
+    assert fragment in str(caught.value)
+    assert "send_welcome" in str(caught.value)
+
+
+def test_deeply_nested_payload_is_refused_not_crashing() -> None:
+    deep: object = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(errors.PayloadNotSerializable, match="deeper than"):
+        envelope.encode_payload("t", deep)
+
+
+def test_size_counts_body_and_attribute_names_types_and_values() -> None:
+    env = make()
+    body = env.encode()
+    attrs = env.message_attributes()
+    expected = len(body)
+    for name, attr in attrs.items():
+        expected += len(name) + len(attr["DataType"]) + len(attr["StringValue"])
+    assert env.size_bytes() == expected
+    assert set(attrs) == {"run_id", "task", "tenant_id"}
+    assert "tenant_id" not in make(tenant_id=None).message_attributes()
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ("not json", "not-json"),
+        ("[1, 2]", "not-an-object"),
+        ('{"v": 2}', "bad-version"),
+        ('{"v": true}', "bad-version"),
+        ('{"v": 1, "run_id": "nope"}', "bad-field"),
+        ('{"v": 1, "run_id": 5}', "bad-field"),
+        ("NaN", "not-json"),
+        ('{"v": 1e999}', "not-json"),
+    ],
+)
+def test_malformed_bodies_are_refused_with_a_reason(body: str, reason: str) -> None:
+    with pytest.raises(envelope.MalformedEnvelope) as caught:
+        envelope.decode(body, max_bytes=262_144)
+    assert caught.value.reason == reason
+
+
+def _doc(**changes: object) -> str:
+    doc = make().to_document()
+    doc.update(changes)
+    return json.dumps(doc)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"task": "../../etc"},
+        {"task": 5},
+        {"queue": "urgent"},
+        {"tenant_id": "3"},
+        {"tenant_id": True},
+        {"tenant_id": 2**70},
+        {"payload": {"not": "text"}},
+        {"payload": "{not json"},
+        {"payload": "NaN"},
+        {"trace": ["x"]},
+        {"event": "bad event name!"},
+    ],
+)
+def test_wrong_types_in_a_valid_looking_envelope_are_refused(changes: dict[str, object]) -> None:
+    with pytest.raises(envelope.MalformedEnvelope) as caught:
+        envelope.decode(_doc(**changes), max_bytes=262_144)
+    assert caught.value.reason in {"bad-field", "bad-payload"}
+
+
+def test_huge_body_is_refused_before_parsing() -> None:
+    body = '{"v": 1, "pad": "' + "x" * 300_000 + '"}'
+    with pytest.raises(envelope.MalformedEnvelope) as caught:
+        envelope.decode(body, max_bytes=262_144)
+    assert caught.value.reason == "too-large"
+
+
+def test_deeply_nested_body_is_refused_not_crashing() -> None:
+    body = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(envelope.MalformedEnvelope) as caught:
+        envelope.decode(body, max_bytes=1_048_576)
+    assert caught.value.reason == "not-json"
