@@ -255,9 +255,7 @@ class Catalog:
         return {
             "version": CATALOG_VERSION,
             "tasks": {name: self.tasks[name].to_dict() for name in sorted(self.tasks)},
-            "events": {
-                name: {"subscribers": list(self.events[name])} for name in sorted(self.events)
-            },
+            "events": {name: {"subscribers": list(self.events[name])} for name in sorted(self.events)},
         }
 
     def to_json(self) -> str:

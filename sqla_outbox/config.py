@@ -79,9 +79,7 @@ class OutboxSettings:
         "Path of the task catalog (tasks → queue/options, events → subscribers) that the "
         "API side validates dispatches against.",
     )
-    wake_key: str = _setting(
-        "sqla_outbox:outbox:wake", "Valkey list the application LPUSHes after a commit."
-    )
+    wake_key: str = _setting("sqla_outbox:outbox:wake", "Valkey list the application LPUSHes after a commit.")
     wake_timeout_ms: int = _setting(
         100,
         "Longest time a commit may spend on the wake (connect + LPUSH). Past it the wake "
@@ -96,8 +94,7 @@ class OutboxSettings:
     )
     wake_list_max: int = _setting(
         16,
-        "The wake list is trimmed to this many entries, so it cannot grow while no relay "
-        "listens.",
+        "The wake list is trimmed to this many entries, so it cannot grow while no relay listens.",
     )
     max_message_bytes: int = _setting(
         262_144,
@@ -131,24 +128,19 @@ class OutboxSettings:
     # --- relay ---------------------------------------------------------------------------
     relay_sweep_interval_seconds: float = _setting(
         5.0,
-        "The relay scans the outbox at least this often, wake or not. Also the BLPOP "
-        "timeout.",
+        "The relay scans the outbox at least this often, wake or not. Also the BLPOP timeout.",
         unit="s",
     )
     relay_batch_size: int = _setting(
         100, "Rows claimed per outbox table per pass (sent as SendMessageBatch calls of <= 10)."
     )
-    relay_send_concurrency: int = _setting(
-        4, "SendMessageBatch calls in flight at once within one pass."
-    )
+    relay_send_concurrency: int = _setting(4, "SendMessageBatch calls in flight at once within one pass.")
     relay_backoff_base_seconds: float = _setting(
         1.0,
         "First delay after a failed send; doubles per attempt (capped exponential backoff).",
         unit="s",
     )
-    relay_backoff_max_seconds: float = _setting(
-        300.0, "Cap of the relay's send backoff.", unit="s"
-    )
+    relay_backoff_max_seconds: float = _setting(300.0, "Cap of the relay's send backoff.", unit="s")
     relay_lock_id: int = _setting(
         0x5351_4C41_4F42,
         "PostgreSQL advisory lock key that elects the one active relay per database.",
@@ -156,24 +148,19 @@ class OutboxSettings:
     relay_standby_poll_seconds: float = _setting(
         1.0, "How often a standby relay tries to take the advisory lock.", unit="s"
     )
-    relay_scheduler: bool = _setting(
-        True, "Run the recurring-task scheduler inside the active relay."
-    )
+    relay_scheduler: bool = _setting(True, "Run the recurring-task scheduler inside the active relay.")
 
     # --- worker --------------------------------------------------------------------------
     worker_queues: tuple[str, ...] = _setting(
         QUEUE_NAMES,
-        "Queues this worker consumes, comma-separated, in any order (critical is always "
-        "served first).",
+        "Queues this worker consumes, comma-separated, in any order (critical is always served first).",
         aliases=("QUEUES",),
     )
     worker_concurrency: int = _setting(8, "Handlers running at once per worker process.")
     worker_imports: tuple[str, ...] = _setting(
         (), "Modules to import at start so their `@task` handlers register (comma-separated)."
     )
-    worker_wait_seconds: int = _setting(
-        20, "ReceiveMessage long-poll wait (SQS allows 0..20).", unit="s"
-    )
+    worker_wait_seconds: int = _setting(20, "ReceiveMessage long-poll wait (SQS allows 0..20).", unit="s")
     worker_max_receives: int = _setting(
         5,
         "A transient failure on this receive (ApproximateReceiveCount) takes the "
@@ -198,9 +185,7 @@ class OutboxSettings:
         "Also run the relay (as a hot-standby candidate) inside each worker process.",
         aliases=("SQLA_OUTBOX_RELAY",),
     )
-    worker_id: str | None = _setting(
-        None, "Name recorded in the run trail. Default: `<hostname>:<pid>`."
-    )
+    worker_id: str | None = _setting(None, "Name recorded in the run trail. Default: `<hostname>:<pid>`.")
     health_port: int | None = _setting(
         None,
         "Port of the HTTP probe (`/livez`, `/readyz`, `/metrics`) for relay and worker. "
@@ -215,9 +200,7 @@ class OutboxSettings:
     purge_succeeded_after_days: float = _setting(
         7.0, "...and `succeeded` runs (with their trail) finished longer ago.", unit="days"
     )
-    purge_failed_after_days: float = _setting(
-        30.0, "...and `failed` runs finished longer ago.", unit="days"
-    )
+    purge_failed_after_days: float = _setting(30.0, "...and `failed` runs finished longer ago.", unit="days")
     purge_batch_size: int = _setting(1000, "Rows deleted per purge statement.")
 
     def __post_init__(self) -> None:
@@ -229,9 +212,7 @@ class OutboxSettings:
 
     # ---------------------------------------------------------------------------------
     @classmethod
-    def from_env(
-        cls, env: Mapping[str, str] | None = None, **overrides: Any
-    ) -> OutboxSettings:
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> OutboxSettings:
         """Build settings from environment variables, then apply ``overrides``.
 
         Args:
@@ -356,8 +337,7 @@ def _validate(s: OutboxSettings) -> None:
     )
     if s.tenant_foreign_key is not None:
         _check(
-            re.fullmatch(r"[A-Za-z_][\w$]*(\.[A-Za-z_][\w$]*){1,2}", s.tenant_foreign_key)
-            is not None,
+            re.fullmatch(r"[A-Za-z_][\w$]*(\.[A-Za-z_][\w$]*){1,2}", s.tenant_foreign_key) is not None,
             "tenant_foreign_key",
             f"must look like table.column or schema.table.column, got {s.tenant_foreign_key!r}",
         )

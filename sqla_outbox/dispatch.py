@@ -94,13 +94,11 @@ class _Scheduled:
         self.delay = _coerce_delay(name_for_errors, delay, available_at)
         self.available_at = _coerce_available_at(name_for_errors, available_at)
         if idempotency_key is not None and (
-            not isinstance(idempotency_key, str)
-            or not 0 < len(idempotency_key) <= _MAX_KEY_LENGTH
+            not isinstance(idempotency_key, str) or not 0 < len(idempotency_key) <= _MAX_KEY_LENGTH
         ):
             raise errors.InvalidDispatch(
                 name_for_errors,
-                f"idempotency_key must be a non-empty string of at most {_MAX_KEY_LENGTH} "
-                "characters",
+                f"idempotency_key must be a non-empty string of at most {_MAX_KEY_LENGTH} characters",
             )
         self.idempotency_key = idempotency_key
         self.trace = tracing.current_carrier()
@@ -233,7 +231,10 @@ class Dispatch(_Scheduled):
         queue = self.queue or spec.queue
         return [
             self._prepare_run(
-                spec, run_id=self.run_id, queue=queue, event=None,
+                spec,
+                run_id=self.run_id,
+                queue=queue,
+                event=None,
                 max_message_bytes=max_message_bytes,
             )
         ]
@@ -290,9 +291,7 @@ class Publish(_Scheduled):
     @property
     def resolved_run_ids(self) -> dict[str, uuid.UUID]:
         return {
-            run.task: run.resolved_run_id
-            for run in self._prepared or []
-            if run.resolved_run_id is not None
+            run.task: run.resolved_run_id for run in self._prepared or [] if run.resolved_run_id is not None
         }
 
     def prepare(self, catalog: Catalog, *, max_message_bytes: int) -> list[PreparedRun]:
@@ -307,7 +306,10 @@ class Publish(_Scheduled):
             run_id = self.runs.get(task) or uuid.uuid4()
             prepared.append(
                 self._prepare_run(
-                    spec, run_id=run_id, queue=spec.queue, event=self.event,
+                    spec,
+                    run_id=run_id,
+                    queue=spec.queue,
+                    event=self.event,
                     max_message_bytes=max_message_bytes,
                 )
             )
@@ -375,9 +377,7 @@ def _coerce_delay(
     try:
         dt.datetime.now(dt.UTC) + delay
     except OverflowError:
-        raise errors.InvalidDispatch(
-            name, f"delay {delay} puts available_at past year 9999"
-        ) from None
+        raise errors.InvalidDispatch(name, f"delay {delay} puts available_at past year 9999") from None
     return delay
 
 
@@ -389,7 +389,5 @@ def _coerce_available_at(name: str, available_at: dt.datetime | None) -> dt.date
             name, f"available_at must be a datetime, got {type(available_at).__name__}"
         )
     if available_at.tzinfo is None or available_at.utcoffset() is None:
-        raise errors.InvalidDispatch(
-            name, "available_at is a naive datetime; pass a timezone-aware one"
-        )
+        raise errors.InvalidDispatch(name, "available_at is a naive datetime; pass a timezone-aware one")
     return available_at

@@ -89,13 +89,14 @@ def _state(session: Session) -> _SessionState:
     state = session.info.get(_STATE_KEY)
     if state is None:
         state = session.info[_STATE_KEY] = _SessionState()
-    return state  # type: ignore[no-any-return]
+    assert isinstance(state, _SessionState)
+    return state
 
 
 def _in_greenlet() -> bool:
     """True inside SQLAlchemy's asyncio bridge (AsyncSession). greenlet is optional."""
     try:
-        import greenlet
+        import greenlet  # type: ignore[import-untyped,unused-ignore]
     except ImportError:
         return False
     return bool(getattr(greenlet.getcurrent(), "__sqlalchemy_greenlet_provider__", False))
@@ -249,9 +250,8 @@ def _async_event_target(target: Any) -> Any:
     """The sync session class or instance behind an asyncio session target, else None."""
     module = getattr(target if isinstance(target, type) else type(target), "__module__", "")
     if not module.startswith("sqlalchemy.ext.asyncio") and not (
-        isinstance(target, type) and any(
-            c.__module__.startswith("sqlalchemy.ext.asyncio") for c in target.__mro__
-        )
+        isinstance(target, type)
+        and any(c.__module__.startswith("sqlalchemy.ext.asyncio") for c in target.__mro__)
     ):
         return None
     from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker

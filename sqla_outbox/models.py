@@ -34,7 +34,6 @@ from sqlalchemy import (
     MetaData,
     Table,
     Text,
-    UniqueConstraint,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB, UUID
@@ -199,8 +198,7 @@ class TaskRun(Base):
             "idempotency_key",
             unique=True,
             postgresql_where=text(
-                f"idempotency_key IS NOT NULL AND tenant_id IS NOT NULL "
-                f"AND status IN ({_UNFINISHED_LIST})"
+                f"idempotency_key IS NOT NULL AND tenant_id IS NOT NULL AND status IN ({_UNFINISHED_LIST})"
             ),
         ),
         Index(
@@ -209,8 +207,7 @@ class TaskRun(Base):
             "idempotency_key",
             unique=True,
             postgresql_where=text(
-                f"idempotency_key IS NOT NULL AND tenant_id IS NULL "
-                f"AND status IN ({_UNFINISHED_LIST})"
+                f"idempotency_key IS NOT NULL AND tenant_id IS NULL AND status IN ({_UNFINISHED_LIST})"
             ),
         ),
         Index(

@@ -34,9 +34,7 @@ def current_carrier() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def handler_span(
-    name: str, carrier: Mapping[str, str], attributes: Mapping[str, Any]
-) -> Iterator[Any]:
+def handler_span(name: str, carrier: Mapping[str, str], attributes: Mapping[str, Any]) -> Iterator[Any]:
     """Run the body inside a CONSUMER span continuing the trace in ``carrier``.
 
     Yields the span (or None without OpenTelemetry). Exceptions are recorded on the span

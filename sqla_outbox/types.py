@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import enum
 import uuid
-from typing import TypeAlias, Union
+from typing import TypeAlias
 
-JSONScalar: TypeAlias = Union[str, int, float, bool, None]
-JSONValue: TypeAlias = Union[JSONScalar, list["JSONValue"], dict[str, "JSONValue"]]
+JSONScalar: TypeAlias = str | int | float | bool | None
+JSONValue: TypeAlias = JSONScalar | list["JSONValue"] | dict[str, "JSONValue"]
 """A value that ``json.dumps`` encodes without a custom encoder."""
 
 RunId: TypeAlias = uuid.UUID
 """Identity of one unit of work: the outbox row, the envelope and the ``task_runs`` row share it."""
 
 
-class QueueName(str, enum.Enum):
+class QueueName(enum.StrEnum):
     """The four logical queues. The database CHECK constraints allow exactly these names.
 
     Visibility timeouts (SPEC "Queues"): critical 60 s, default 120 s, bulk 15 min,
@@ -41,7 +41,7 @@ VISIBILITY_TIMEOUT_SECONDS: dict[str, int] = {
 """Per-queue SQS visibility timeout in seconds (SPEC "Queues")."""
 
 
-class RunStatus(str, enum.Enum):
+class RunStatus(enum.StrEnum):
     """Life cycle of a ``task_runs`` row.
 
     ``queued`` (at dispatch) → ``running`` → ``succeeded``; or ``running`` → ``retrying`` →

@@ -31,6 +31,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from sqla_outbox import metrics
 from sqla_outbox.config import OutboxSettings, redact_url
 from sqla_outbox.logging import log_extra
 
@@ -96,6 +97,7 @@ class Waker:
         if now < self._suppressed_until:
             with self._lock:
                 self.stats.skipped += 1
+            metrics.WAKES.labels("skipped").inc()
             return False
         try:
             pipe = self._client.pipeline(transaction=False)
@@ -103,6 +105,7 @@ class Waker:
             pipe.ltrim(self.key, 0, self.list_max - 1)
             pipe.execute()
         except (redis.RedisError, OSError) as exc:
+            metrics.WAKES.labels("failed").inc()
             with self._lock:
                 self.stats.failed += 1
                 self._suppressed_until = time.monotonic() + self.retry_seconds
@@ -119,6 +122,7 @@ class Waker:
                     ),
                 )
             return False
+        metrics.WAKES.labels("sent").inc()
         with self._lock:
             self.stats.sent += 1
             recovered = self._in_outage

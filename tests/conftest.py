@@ -191,3 +191,31 @@ def sqs_endpoint(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture
+def sqs(sqs_endpoint: str):
+    """A boto3 SQS client on the test's moto server."""
+    return support.sqs_client(sqs_endpoint)
+
+
+@pytest.fixture
+def queues(sqs, settings: OutboxSettings, sqs_endpoint: str) -> dict[str, str]:
+    """Provision the test's queues; return logical name → URL (``<name>-dlq`` for DLQs)."""
+    from sqla_outbox.sqs.provision import provision
+
+    reports = provision(sqs, settings.replace(sqs_endpoint_url=sqs_endpoint))
+    return {r.queue + ("-dlq" if r.dead_letter else ""): r.url for r in reports}
+
+
+@pytest.fixture
+def app(engine: sa.Engine, settings: OutboxSettings, catalog: Catalog):
+    """An installed sessionmaker on the test database (the 'application')."""
+    from sqlalchemy.orm import sessionmaker
+
+    import sqla_outbox
+
+    maker = sessionmaker(engine)
+    sqla_outbox.install(maker, settings, catalog=catalog)
+    yield maker
+    sqla_outbox.uninstall(maker)

@@ -184,3 +184,203 @@ def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> A
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s: {predicate}")
         time.sleep(interval)
+
+
+# --- a cuttable TCP proxy (an SQS endpoint that goes away and comes back) ----------------
+class TcpProxy:
+    """Forwards a loopback port to ``target``; :meth:`disable` makes it refuse service.
+
+    While disabled, open connections are cut and new ones are closed at once, which is
+    what a client sees when an endpoint is down.
+    """
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.server = socket.socket()
+        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(128)
+        self.port = int(self.server.getsockname()[1])
+        self.enabled = True
+        self._stop = threading.Event()
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def disable(self) -> None:
+        self.enabled = False
+        with self._lock:
+            for conn in self._conns:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+                conn.close()
+            self._conns.clear()
+
+    def enable(self) -> None:
+        self.enabled = True
+
+    def close(self) -> None:
+        self._stop.set()
+        self.disable()
+        self.server.close()
+
+    def _accept(self) -> None:
+        self.server.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                continue
+            if not self.enabled:
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
+
+
+# --- SQS helpers --------------------------------------------------------------------------
+def sqs_client(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client(
+        "sqs",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+
+
+def receive_all(
+    client: Any, queue_url: str, *, expect: int | None = None, timeout: float = 30.0, visibility: int = 600
+) -> list[dict[str, Any]]:
+    """Receive every message of a queue (hidden for ``visibility`` s, not deleted).
+
+    Stops when ``expect`` messages arrived, or after two empty receives in a row.
+    """
+    messages: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    empty = 0
+    while time.monotonic() < deadline:
+        response = client.receive_message(
+            QueueUrl=queue_url,
+            MaxNumberOfMessages=10,
+            VisibilityTimeout=visibility,
+            WaitTimeSeconds=0 if expect is None else 1,
+            MessageAttributeNames=["All"],
+            AttributeNames=["All"],
+        )
+        batch = response.get("Messages", [])
+        messages.extend(batch)
+        if expect is not None and len(messages) >= expect:
+            break
+        empty = empty + 1 if not batch else 0
+        if expect is None and empty >= 2:
+            break
+    return messages
+
+
+# --- processes ----------------------------------------------------------------------------
+class ServiceProcess:
+    """A relay or worker subprocess whose JSON log lines are collected as they come."""
+
+    def __init__(self, args: list[str], env: dict[str, str], name: str) -> None:
+        import json as _json
+
+        self._json = _json
+        self.name = name
+        self.process = subprocess.Popen(
+            args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.logs: list[dict[str, Any]] = []
+        self.raw: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.raw.append(line)
+            try:
+                self.logs.append(self._json.loads(line))
+            except ValueError:
+                continue
+
+    def actions(self, action: str) -> list[dict[str, Any]]:
+        return [entry for entry in list(self.logs) if entry.get("action") == action]
+
+    def wait_for_action(self, action: str, timeout: float = 20.0, count: int = 1) -> dict[str, Any]:
+        def found() -> Any:
+            if self.process.poll() is not None and len(self.actions(action)) < count:
+                raise AssertionError(
+                    f"{self.name} exited ({self.process.returncode}):\n" + "".join(self.raw[-40:])
+                )
+            hits = self.actions(action)
+            return hits[count - 1] if len(hits) >= count else None
+
+        return wait_for(found, timeout=timeout)
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        import signal as _signal
+
+        if self.process.poll() is None:
+            self.process.send_signal(_signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+
+    def output(self) -> str:
+        return "".join(self.raw)
+
+
+def service_env(settings: Any, endpoint: str, **extra: str) -> dict[str, str]:
+    """Environment for a relay/worker subprocess from test settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_OUTBOX_")}
+    env.update(AWS_ENV)
+    env.update(
+        {
+            "SQLA_OUTBOX_DATABASE_URL": settings.database_url,
+            "SQLA_OUTBOX_VALKEY_URL": settings.valkey_url or "none",
+            "SQLA_OUTBOX_WAKE_KEY": settings.wake_key,
+            "SQLA_OUTBOX_QUEUE_PREFIX": settings.queue_prefix,
+            "SQLA_OUTBOX_SQS_ENDPOINT_URL": endpoint,
+            "SQLA_OUTBOX_CATALOG_PATH": settings.catalog_path,
+            "SQLA_OUTBOX_RELAY_SWEEP_INTERVAL_SECONDS": str(settings.relay_sweep_interval_seconds),
+        }
+    )
+    env.update(extra)
+    return env
+
+
+def start_relay(settings: Any, endpoint: str, name: str = "relay", **extra: str) -> ServiceProcess:
+    args = [sys.executable, "-m", "sqla_outbox.relay", "--log-format", "json"]
+    return ServiceProcess(args, service_env(settings, endpoint, **extra), name)

@@ -36,7 +36,5 @@ def place_order(
     facts = {"order_id": order.id, "sku": product.sku, "quantity": quantity}
     session.add(Dispatch("send_receipt", {**facts, "email": email}, tenant_id=tenant_id))
     session.add(Publish("order.placed", facts, tenant_id=tenant_id))
-    session.add(
-        Dispatch("ask_for_review", {"order_id": order.id}, tenant_id=tenant_id, delay=review_delay)
-    )
+    session.add(Dispatch("ask_for_review", {"order_id": order.id}, tenant_id=tenant_id, delay=review_delay))
     return order

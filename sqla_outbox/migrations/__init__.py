@@ -52,7 +52,7 @@ def tenant_foreign_key() -> str | None:
         from alembic import context
 
         raw = context.get_x_argument(as_dictionary=True).get("tenant_foreign_key")
-    except Exception:  # noqa: BLE001 - no migration context (e.g. `alembic history`)
+    except Exception:
         raw = None
     if raw is None:
         raw = os.environ.get("SQLA_OUTBOX_TENANT_FOREIGN_KEY", "tenants.id")
@@ -72,7 +72,7 @@ def depends_on() -> tuple[str, ...] | None:
             from alembic import context
 
             raw = context.config.get_main_option("sqla_outbox_depends_on")
-        except Exception:  # noqa: BLE001 - no running Alembic environment
+        except Exception:
             raw = None
     revisions = tuple(part for part in (raw or "").replace(",", " ").split() if part)
     return revisions or None

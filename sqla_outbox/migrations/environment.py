@@ -8,9 +8,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from alembic import context
 from sqlalchemy import Connection, MetaData, Table, create_engine, inspect, pool
 
+from alembic import context
 from sqla_outbox.config import sqlalchemy_url
 from sqla_outbox.migrations import VERSION_TABLE
 

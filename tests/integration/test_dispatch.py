@@ -20,9 +20,7 @@ from tests.support import count, outbox_rows, runs
 
 
 @pytest.fixture
-def factory(
-    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog
-) -> Iterator[sessionmaker[Session]]:
+def factory(engine: sa.Engine, settings: OutboxSettings, catalog: Catalog) -> Iterator[sessionmaker[Session]]:
     maker = sessionmaker(engine)
     sqla_outbox.install(maker, settings, catalog=catalog)
     yield maker
@@ -51,9 +49,7 @@ def test_dispatch_writes_one_outbox_row_and_one_queued_run(
     assert row.envelope["task"] == "send_welcome"
     assert json.loads(row.envelope["payload"]) == {"user_id": 7}
     [run] = runs(engine)
-    assert (run.run_id, run.status, run.task, run.tenant_id) == (
-        run_id_at_build, "queued", "send_welcome", 3
-    )
+    assert (run.run_id, run.status, run.task, run.tenant_id) == (run_id_at_build, "queued", "send_welcome", 3)
     assert run.available_at == row.available_at
 
 
@@ -119,7 +115,7 @@ def test_many_dispatches_in_one_flush_are_one_statement(
 ) -> None:
     statements: list[str] = []
 
-    def record(conn, cursor, statement, parameters, context, executemany) -> None:  # noqa: ANN001
+    def record(conn, cursor, statement, parameters, context, executemany) -> None:
         statements.append(statement)
 
     sa.event.listen(engine, "before_cursor_execute", record)
@@ -147,9 +143,7 @@ def test_dispatch_order_is_kept_in_row_ids(factory: sessionmaker[Session], engin
     assert ordered == [i.run_id for i in items]
 
 
-def test_publish_fans_out_one_run_per_subscriber(
-    factory: sessionmaker[Session], engine: sa.Engine
-) -> None:
+def test_publish_fans_out_one_run_per_subscriber(factory: sessionmaker[Session], engine: sa.Engine) -> None:
     with factory() as session, session.begin():
         event = Publish("user.created", {"user_id": 9}, tenant_id=4)
         session.add(event)
@@ -166,9 +160,7 @@ def test_publish_fans_out_one_run_per_subscriber(
     assert {r.event for r in runs(engine)} == {"user.created"}
 
 
-def test_delay_is_measured_on_the_database_clock(
-    factory: sessionmaker[Session], engine: sa.Engine
-) -> None:
+def test_delay_is_measured_on_the_database_clock(factory: sessionmaker[Session], engine: sa.Engine) -> None:
     with factory() as session, session.begin():
         session.execute(sa.text("SELECT pg_sleep(0.3)"))  # a long transaction
         session.add(Dispatch("audit", {}, delay=dt.timedelta(seconds=30)))
@@ -181,9 +173,7 @@ def test_delay_is_measured_on_the_database_clock(
     assert abs((row.available_at - clock) - dt.timedelta(seconds=30)) < dt.timedelta(seconds=1)
 
 
-def test_delay_accepts_seconds_and_long_durations(
-    factory: sessionmaker[Session], engine: sa.Engine
-) -> None:
+def test_delay_accepts_seconds_and_long_durations(factory: sessionmaker[Session], engine: sa.Engine) -> None:
     with factory() as session, session.begin():
         session.add(Dispatch("audit", {"n": 1}, delay=90))
         session.add(Dispatch("audit", {"n": 2}, delay=dt.timedelta(days=3650)))
@@ -253,9 +243,7 @@ def test_duplicates_in_one_flush_resolve_to_the_first(factory: sessionmaker[Sess
     assert b.resolved_run_id == a.run_id and b.deduplicated
 
 
-def test_key_is_free_again_once_the_run_finished(
-    factory: sessionmaker[Session], engine: sa.Engine
-) -> None:
+def test_key_is_free_again_once_the_run_finished(factory: sessionmaker[Session], engine: sa.Engine) -> None:
     with factory() as session, session.begin():
         first = Dispatch("audit", tenant_id=1, idempotency_key="nightly:1")
         session.add(first)
@@ -328,8 +316,11 @@ def test_bad_input_is_refused_at_add_and_nothing_is_written(
         ({"delay": float("nan")}, errors.InvalidDispatch, "finite"),
         ({"delay": dt.timedelta(days=999_999_999)}, errors.InvalidDispatch, "past year 9999"),
         ({"available_at": dt.datetime(2030, 1, 1)}, errors.InvalidDispatch, "naive"),
-        ({"delay": 5, "available_at": dt.datetime(2030, 1, 1, tzinfo=dt.UTC)},
-         errors.InvalidDispatch, "not both"),
+        (
+            {"delay": 5, "available_at": dt.datetime(2030, 1, 1, tzinfo=dt.UTC)},
+            errors.InvalidDispatch,
+            "not both",
+        ),
         ({"tenant_id": "3"}, errors.InvalidDispatch, "tenant_id must be an integer"),
         ({"tenant_id": True}, errors.InvalidDispatch, "tenant_id must be an integer"),
         ({"idempotency_key": ""}, errors.InvalidDispatch, "idempotency_key"),

@@ -32,19 +32,28 @@ def empty_db(pg_url: str) -> Iterator[str]:
     support.drop_database(pg_url, name)
 
 
-def alembic(args: list[str], *, url: str, config: Path, env: dict[str, str] | None = None,
-            python: str = sys.executable, extra_path: str | None = None,
-            cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+def alembic(
+    args: list[str],
+    *,
+    url: str,
+    config: Path,
+    env: dict[str, str] | None = None,
+    python: str = sys.executable,
+    extra_path: str | None = None,
+    cwd: Path = ROOT,
+) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_OUTBOX_")}
-    full_env.update(
-        {"SQLA_OUTBOX_DATABASE_URL": url, "SHOP_DATABASE_URL": url, "DATABASE_URL": url}
-    )
+    full_env.update({"SQLA_OUTBOX_DATABASE_URL": url, "SHOP_DATABASE_URL": url, "DATABASE_URL": url})
     if extra_path:
         full_env["PYTHONPATH"] = extra_path
     full_env.update(env or {})
     result = subprocess.run(
         [python, "-m", "alembic", "-c", str(config), *args],
-        capture_output=True, text=True, env=full_env, cwd=cwd, timeout=120,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -52,17 +61,14 @@ def alembic(args: list[str], *, url: str, config: Path, env: dict[str, str] | No
 
 def tables(url: str) -> set[str]:
     with psycopg.connect(url) as conn:
-        rows = conn.execute(
-            "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
-        ).fetchall()
+        rows = conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'").fetchall()
     return {r[0] for r in rows}
 
 
 def constraints(url: str, table: str) -> dict[str, str]:
     with psycopg.connect(url) as conn:
         rows = conn.execute(
-            "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
-            "WHERE conrelid = %s::regclass",
+            "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = %s::regclass",
             (table,),
         ).fetchall()
     return dict(rows)
@@ -95,9 +101,10 @@ def test_schema_is_what_the_spec_says(database_url: str) -> None:
         found = constraints(url, table)
         assert found[f"{table}_attempts_check"] == "CHECK ((attempts >= 0))"
         assert found[f"{table}_envelope_check"] == "CHECK ((jsonb_typeof(envelope) = 'object'::text))"
-        assert "'critical'::text, 'default'::text, 'bulk'::text, 'maintenance'::text" in found[
-            f"{table}_queue_check"
-        ]
+        assert (
+            "'critical'::text, 'default'::text, 'bulk'::text, 'maintenance'::text"
+            in found[f"{table}_queue_check"]
+        )
         assert found[f"{table}_pkey"] == "PRIMARY KEY (id)"
         assert found[f"{table}_run_id_key"] == "UNIQUE (run_id)"
     assert constraints(url, "outbox_messages")["outbox_messages_tenant_id_fkey"] == (
@@ -145,8 +152,7 @@ def test_models_match_the_migrations(database_url: str) -> None:
                 conn,
                 opts={
                     "compare_type": True,
-                    "include_name": lambda name, type_, parent: type_ != "table"
-                    or name in OUR_TABLES,
+                    "include_name": lambda name, type_, parent: type_ != "table" or name in OUR_TABLES,
                 },
             )
             diff = compare_metadata(context, models.metadata)
@@ -156,11 +162,17 @@ def test_models_match_the_migrations(database_url: str) -> None:
     assert diff == []
 
 
-@pytest.mark.parametrize(("setting", "expected"), [("accounts.id", "REFERENCES accounts(id)"), ("none", None)])
+@pytest.mark.parametrize(
+    ("setting", "expected"), [("accounts.id", "REFERENCES accounts(id)"), ("none", None)]
+)
 def test_tenant_foreign_key_is_configurable(empty_db: str, setting: str, expected: str | None) -> None:
     with_tenants(empty_db, "accounts")
-    alembic(["upgrade", "head"], url=empty_db, config=ROOT / "alembic.ini",
-            env={"SQLA_OUTBOX_TENANT_FOREIGN_KEY": setting})
+    alembic(
+        ["upgrade", "head"],
+        url=empty_db,
+        config=ROOT / "alembic.ini",
+        env={"SQLA_OUTBOX_TENANT_FOREIGN_KEY": setting},
+    )
     found = constraints(empty_db, "outbox_messages")
     fkey = found.get("outbox_messages_tenant_id_fkey")
     if expected is None:
@@ -169,8 +181,9 @@ def test_tenant_foreign_key_is_configurable(empty_db: str, setting: str, expecte
         assert fkey is not None and expected in fkey
 
 
-def _shop_recipe(url: str, *, python: str = sys.executable, root: Path = ROOT,
-                 extra_path: str | None = None) -> None:
+def _shop_recipe(
+    url: str, *, python: str = sys.executable, root: Path = ROOT, extra_path: str | None = None
+) -> None:
     config = root / "examples" / "shop" / "alembic.ini"
     kwargs = {"url": url, "config": config, "python": python, "extra_path": extra_path, "cwd": root}
     alembic(["upgrade", "heads"], **kwargs)
@@ -194,7 +207,9 @@ def test_migrations_work_from_an_installed_wheel(empty_db: str, tmp_path: Path) 
     dist = tmp_path / "dist"
     subprocess.run(
         [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(ROOT)],
-        check=True, capture_output=True, timeout=300,
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     [wheel] = dist.glob("*.whl")
     venv = tmp_path / "venv"
@@ -204,11 +219,13 @@ def test_migrations_work_from_an_installed_wheel(empty_db: str, tmp_path: Path) 
     # dependencies come from the test environment; sqla_outbox itself only from the wheel
     deps = next(p for p in sys.path if p.endswith("site-packages"))
     app = tmp_path / "app"
-    shutil.copytree(ROOT / "examples", app / "examples",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "examples", app / "examples", ignore=shutil.ignore_patterns("__pycache__"))
     where = subprocess.run(
         [fresh, "-c", "import sqla_outbox, sqla_outbox.migrations as m; print(sqla_outbox.__file__)"],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": f"{app}:{deps}"}, cwd=app,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{app}:{deps}"},
+        cwd=app,
         check=True,
     )
     assert where.stdout.startswith(str(venv)), where.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -44,7 +45,7 @@ def wakes(valkey: redis.Redis, settings: OutboxSettings) -> int:
 def test_session_without_listeners_refuses_instead_of_dropping(engine: sa.Engine) -> None:
     with Session(engine) as session:
         session.add(Dispatch("audit", {}))
-        with pytest.raises(errors.NotInstalled, match="sqla_outbox.install"):
+        with pytest.raises(errors.NotInstalled, match=r"sqla_outbox\.install"):
             session.commit()
     assert count(engine, "task_runs") == 0
 
@@ -59,7 +60,10 @@ def test_bulk_save_objects_is_refused(factory: sessionmaker[Session], engine: sa
 
 
 def test_installing_twice_writes_rows_once(
-    factory: sessionmaker[Session], engine: sa.Engine, settings: OutboxSettings, catalog: Catalog,
+    factory: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    catalog: Catalog,
     valkey: redis.Redis,
 ) -> None:
     again = sqla_outbox.install(factory, settings, catalog=catalog)
@@ -301,7 +305,7 @@ def test_async_commit_does_not_block_the_event_loop_on_a_hung_valkey(
         await session.close()
         installation.detach()
         await async_engine.dispose()
-        gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
+        gaps = [b - a for a, b in itertools.pairwise(ticks)]
         assert installation.waker.stats.failed == 1
         return elapsed, max(gaps)
 

@@ -56,7 +56,10 @@ def test_wake_list_stays_bounded_while_no_relay_listens(
 
 
 def test_valkey_refusing_connections_never_reaches_the_app(
-    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, cleanup: list,
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    catalog: Catalog,
+    cleanup: list,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     maker = installed(engine, settings.replace(valkey_url=closed_port_url()), catalog)
@@ -87,7 +90,10 @@ def test_hung_valkey_adds_at_most_the_wake_timeout(
 
 
 def test_wakes_resume_when_valkey_comes_back(
-    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, cleanup: list,
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    catalog: Catalog,
+    cleanup: list,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     server = shutil.which("redis-server") or shutil.which("valkey-server")

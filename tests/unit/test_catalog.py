@@ -34,11 +34,17 @@ def test_round_trip_through_to_json() -> None:
         (lambda d: d["tasks"]["audit"].update(queue="urgent"), "tasks.audit.queue", "urgent"),
         (lambda d: d["tasks"]["audit"].update(retries=3), "tasks.audit", "retries"),
         (lambda d: d.update(version=2), "version", "1 was expected"),
-        (lambda d: d["events"]["user.created"]["subscribers"].append("ghost"),
-         "events.user.created.subscribers[2]", "ghost"),
+        (
+            lambda d: d["events"]["user.created"]["subscribers"].append("ghost"),
+            "events.user.created.subscribers[2]",
+            "ghost",
+        ),
         (lambda d: d["tasks"].update({"bad name": {}}), "tasks", "bad name"),
-        (lambda d: d["tasks"]["charge_card"].update(schedule={"cron": "0 3 * * *"}),
-         "tasks.charge_card.schedule", "scope cannot be 'tenant'"),
+        (
+            lambda d: d["tasks"]["charge_card"].update(schedule={"cron": "0 3 * * *"}),
+            "tasks.charge_card.schedule",
+            "scope cannot be 'tenant'",
+        ),
     ],
 )
 def test_errors_point_at_the_bad_entry(mutate, pointer: str, fragment: str, tmp_path: Path) -> None:

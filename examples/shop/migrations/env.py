@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging.config
 import os
 
-from alembic import context
 from sqlalchemy import create_engine, pool
 
 import sqla_outbox
+from alembic import context
 from examples.shop.models import Base
 from sqla_outbox.migrations import target_metadata as outbox_target_metadata  # <-- sqla_outbox
 

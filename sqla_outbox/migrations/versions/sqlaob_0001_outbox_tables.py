@@ -13,9 +13,9 @@ environment (see ``sqla_outbox.migrations``).
 from __future__ import annotations
 
 import sqlalchemy as sa
-from alembic import op
 from sqlalchemy.dialects import postgresql
 
+from alembic import op
 from sqla_outbox import migrations
 
 revision = "sqlaob_0001"

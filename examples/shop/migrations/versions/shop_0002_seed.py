@@ -11,10 +11,10 @@ Create Date: 2026-11-29
 from __future__ import annotations
 
 import sqlalchemy as sa
-from alembic import op
 from sqlalchemy.orm import Session
 
 import sqla_outbox
+from alembic import op
 from sqla_outbox import Dispatch
 
 revision = "shop_0002"

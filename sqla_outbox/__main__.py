@@ -1,0 +1,5 @@
+"""``python -m sqla_outbox``: the ``sqla-outbox`` command."""
+
+from sqla_outbox.cli import main
+
+main()

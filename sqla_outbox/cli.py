@@ -1,0 +1,277 @@
+"""Command line: ``sqla-outbox`` and the ``python -m sqla_outbox.relay|worker`` entry points.
+
+Every option that sets a field of :class:`~sqla_outbox.config.OutboxSettings` names its
+environment twin in ``--help``; precedence is option > ``SQLA_OUTBOX_*`` variable > bare
+alias (``DATABASE_URL``, ``REDIS_URL``, ``QUEUES``) > default. Human output is tables;
+``--json`` prints one JSON document for scripts. Exit codes: 0 ok, 1 a check failed,
+2 bad configuration, 3 a service could not be reached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import click
+
+from sqla_outbox import errors
+from sqla_outbox import logging as outbox_logging
+from sqla_outbox.config import OutboxSettings, env_names
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_CONFIG = 2
+EXIT_CONNECT = 3
+
+
+# --- shared option helpers ----------------------------------------------------------------
+def _field(name: str) -> dataclasses.Field[Any]:
+    return {f.name: f for f in dataclasses.fields(OutboxSettings)}[name]
+
+
+def setting(name: str, *flags: str, **kwargs: Any) -> Callable[[Any], Any]:
+    """A click option for settings field ``name``, its help naming the env twins."""
+    field = _field(name)
+    unit = f" [{field.metadata['unit']}]" if field.metadata["unit"] else ""
+    envs = ", ".join(env_names(name))
+    kwargs.setdefault("default", None)
+    kwargs.setdefault("show_default", False)
+    return click.option(
+        *(flags or ("--" + name.replace("_", "-"),)),
+        name,
+        help=f"{field.metadata['doc']}{unit} (env: {envs})",
+        **kwargs,
+    )
+
+
+def common_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Options every service command takes: database, Valkey, SQS endpoint, logging."""
+    for decorator in reversed(
+        [
+            setting("database_url", "--database-url"),
+            setting("valkey_url", "--valkey-url"),
+            setting("sqs_endpoint_url", "--sqs-endpoint-url"),
+            setting("queue_prefix", "--queue-prefix"),
+            click.option("-v", "--verbose", count=True, help="More log output (-v: debug)."),
+            click.option(
+                "--log-format",
+                type=click.Choice(["auto", "json", "text"]),
+                default="auto",
+                show_default=True,
+                help="Log lines as JSON objects (default when stderr is not a terminal) or text.",
+            ),
+            click.option("--traceback", is_flag=True, help="Show the stack trace of errors."),
+        ]
+    ):
+        func = decorator(func)
+    return func
+
+
+def load_settings(**overrides: Any) -> OutboxSettings:
+    """Settings from the environment with CLI overrides (``None`` means not given)."""
+    known = {f.name for f in dataclasses.fields(OutboxSettings)}
+    return OutboxSettings.from_env(**{k: v for k, v in overrides.items() if k in known})
+
+
+def setup_logging(verbose: int, log_format: str) -> None:
+    json_lines = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
+    outbox_logging.configure(verbose=verbose, json_lines=json_lines)
+
+
+@contextmanager
+def handle_errors(show_traceback: bool) -> Iterator[None]:
+    """Turn library errors into ``error: <message>`` and the documented exit codes."""
+    try:
+        yield
+    except errors.ConfigurationError as exc:
+        if show_traceback:
+            raise
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_CONFIG)
+    except errors.OutboxError as exc:
+        if show_traceback:
+            raise
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_CHECK_FAILED)
+    except Exception as exc:
+        if show_traceback or not _is_connection_error(exc):
+            raise
+        click.echo(f"error: cannot reach a service: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(EXIT_CONNECT)
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    import botocore.exceptions
+    import redis
+    import sqlalchemy.exc
+
+    return isinstance(
+        exc,
+        (
+            sqlalchemy.exc.OperationalError,
+            sqlalchemy.exc.InterfaceError,
+            botocore.exceptions.EndpointConnectionError,
+            botocore.exceptions.NoCredentialsError,
+            redis.ConnectionError,
+            ConnectionError,
+        ),
+    )
+
+
+def print_json(document: Any) -> None:
+    click.echo(json.dumps(document, indent=2, default=str))
+
+
+class _Abandon(BaseException):
+    """Raised by a second SIGTERM/SIGINT: abandon the work in progress now."""
+
+
+def install_stop_signals(stop: Callable[[], None]) -> None:
+    """First SIGTERM/SIGINT calls ``stop`` (finish cleanly); a second one abandons."""
+    received = {"count": 0}
+
+    def handler(signum: int, frame: Any) -> None:
+        received["count"] += 1
+        if received["count"] == 1:
+            stop()
+        else:
+            raise _Abandon
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+# --- the command group ---------------------------------------------------------------------
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="sqla-outbox")
+def main() -> None:
+    """sqla_outbox: transactional outbox for SQLAlchemy, relayed to AWS SQS."""
+
+
+@main.command("relay")
+@common_options
+@setting("relay_sweep_interval_seconds", "--sweep-interval", type=float)
+@setting("relay_batch_size", "--batch-size", type=int)
+@setting("relay_send_concurrency", "--send-concurrency", type=int)
+@setting("health_port", "--health-port", type=int)
+@click.option("--once", is_flag=True, help="Run one pass (if no other relay is active) and exit.")
+@click.option("--check", is_flag=True, help="Check the database, Valkey and SQS, then exit.")
+@click.option("--json", "as_json", is_flag=True, help="With --once/--check: print JSON.")
+def relay_command(
+    verbose: int, log_format: str, traceback: bool, once: bool, check: bool, as_json: bool, **options: Any
+) -> None:
+    """Move committed outbox rows to SQS (the one active relay; others stand by)."""
+    setup_logging(verbose, log_format)
+    with handle_errors(traceback):
+        settings = load_settings(**options)
+        if check:
+            from sqla_outbox import health
+
+            report = health.check_services(settings, need_queues=True)
+            health.print_report(report, as_json=as_json)
+            sys.exit(EXIT_OK if report.ok else EXIT_CONNECT)
+        from sqla_outbox.relay import Relay
+
+        relay = Relay(settings)
+        if once:
+            result = relay.run_once()
+            if as_json:
+                print_json(dataclasses.asdict(result))
+            else:
+                click.echo(f"claimed {result.claimed}, sent {result.sent}, failed {result.failed}")
+            return
+        probe = None
+        if settings.health_port is not None:
+            from sqla_outbox.health import ProbeServer
+
+            probe = ProbeServer(settings.health_port, ready=lambda: not relay.stopping)
+            probe.start()
+        install_stop_signals(relay.stop)
+        try:
+            relay.run()
+        except _Abandon:
+            click.echo("relay: abandoned the batch in progress (its rows stay pending)", err=True)
+        finally:
+            if probe is not None:
+                probe.stop()
+
+
+@main.command("provision")
+@common_options
+@setting("max_receive_count", "--max-receive-count", type=int)
+@setting("max_message_bytes", "--max-message-bytes", type=int)
+@setting("sqs_managed_sse", "--sse/--no-sse")
+@setting("sqs_kms_key_id", "--kms-key-id")
+@click.option("--fix", is_flag=True, help="Apply the desired attributes to queues that drifted.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def provision_command(
+    verbose: int, log_format: str, traceback: bool, fix: bool, as_json: bool, **options: Any
+) -> None:
+    """Create the four queues and their DLQs (idempotent); report attribute drift.
+
+    Exit code 1 when an existing queue drifted and --fix was not given.
+    """
+    setup_logging(verbose, log_format)
+    with handle_errors(traceback):
+        settings = load_settings(**options)
+        from sqla_outbox.sqs.client import make_client
+        from sqla_outbox.sqs.provision import provision
+
+        reports = provision(make_client(settings), settings, fix=fix)
+        if as_json:
+            print_json([dataclasses.asdict(r) for r in reports])
+        else:
+            from rich.console import Console
+            from rich.table import Table
+
+            table = Table(title="SQS queues")
+            for column in ("queue", "SQS name", "kind", "action", "differences"):
+                table.add_column(column)
+            for r in reports:
+                diffs = "; ".join(
+                    f"{k}: {v['actual']!r} → {v['expected']!r}" for k, v in r.differences.items()
+                )
+                table.add_row(r.queue, r.name, "DLQ" if r.dead_letter else "source", r.action, diffs)
+            Console().print(table)
+        if any(r.action == "drift" for r in reports):
+            sys.exit(EXIT_CHECK_FAILED)
+
+
+@main.command("migrate")
+@common_options
+@click.option("--revision", default="heads", show_default=True, help="Target revision.")
+@click.option("--sql", is_flag=True, help="Print the SQL instead of running it.")
+@click.option("--downgrade", is_flag=True, help="Downgrade to --revision (e.g. base) instead.")
+def migrate_command(
+    verbose: int,
+    log_format: str,
+    traceback: bool,
+    revision: str,
+    sql: bool,
+    downgrade: bool,
+    **options: Any,
+) -> None:
+    """Apply sqla_outbox's bundled migrations (standalone version table).
+
+    Applications with their own Alembic environment should add our revisions to it
+    instead (docs/alembic.md).
+    """
+    setup_logging(verbose, log_format)
+    with handle_errors(traceback):
+        settings = load_settings(**options)
+        from sqla_outbox import migrations
+
+        if downgrade:
+            migrations.downgrade(settings.sqlalchemy_url, revision, sql=sql)
+        else:
+            migrations.upgrade(settings.sqlalchemy_url, revision, sql=sql)
+
+
+def main_relay() -> None:
+    """``python -m sqla_outbox.relay`` / ``sqla-outbox-relay``."""
+    relay_command.main(args=sys.argv[1:], prog_name="python -m sqla_outbox.relay")

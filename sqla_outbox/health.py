@@ -1,0 +1,174 @@
+"""Health: the HTTP probe of relay and worker, and the ``--check`` service report.
+
+The probe (:class:`ProbeServer`, on ``SQLA_OUTBOX_HEALTH_PORT``) answers:
+
+* ``GET /livez`` — 200 while the process runs its loop;
+* ``GET /readyz`` — 200 while it takes work, 503 once it is stopping (SIGTERM) or not
+  ready, so an orchestrator stops routing to it;
+* ``GET /metrics`` — Prometheus metrics (``sqla_outbox.metrics``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from sqla_outbox.config import OutboxSettings, redact_url
+
+
+class ProbeServer:
+    """Tiny HTTP server for liveness, readiness and metrics, in a daemon thread.
+
+    Args:
+        port: TCP port (0 picks a free one; see :attr:`port` after :meth:`start`).
+        ready: Called per ``/readyz`` request; True means ready.
+        alive: Called per ``/livez`` request; True means alive.
+        host: Interface to bind (default all).
+    """
+
+    def __init__(
+        self,
+        port: int,
+        *,
+        ready: Callable[[], bool],
+        alive: Callable[[], bool] = lambda: True,
+        host: str = "0.0.0.0",  # noqa: S104 - probes come from the orchestrator
+    ) -> None:
+        self._ready = ready
+        self._alive = alive
+        probe = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/livez":
+                    self._answer(200 if probe._alive() else 503, b"alive\n")
+                elif self.path == "/readyz":
+                    ok = probe._ready()
+                    self._answer(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
+                elif self.path == "/metrics":
+                    self._answer(200, generate_latest(), CONTENT_TYPE_LATEST)
+                else:
+                    self._answer(404, b"not found\n")
+
+            def _answer(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        self._server = http.server.ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="sqla-outbox-probe", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@dataclasses.dataclass
+class CheckResult:
+    """One line of a ``--check`` report: a service, whether it answered, and details."""
+
+    service: str
+    ok: bool
+    detail: str
+
+
+@dataclasses.dataclass
+class CheckReport:
+    results: list[CheckResult]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+
+def check_services(settings: OutboxSettings, *, need_queues: bool) -> CheckReport:
+    """Reach PostgreSQL (and the outbox tables), Valkey and SQS; never raises."""
+    results = [_check_database(settings), _check_valkey(settings)]
+    if need_queues:
+        results.append(_check_queues(settings))
+    return CheckReport(results)
+
+
+def _check_database(settings: OutboxSettings) -> CheckResult:
+    import sqlalchemy as sa
+
+    url = redact_url(settings.sqlalchemy_url)
+    try:
+        engine = sa.create_engine(settings.sqlalchemy_url, connect_args={"connect_timeout": 5})
+        with engine.connect() as conn:
+            present = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM information_schema.tables WHERE table_name IN "
+                    "('outbox_messages', 'platform_outbox_messages', 'task_runs', 'task_run_trail')"
+                )
+            ).scalar_one()
+        engine.dispose()
+    except Exception as exc:
+        return CheckResult("postgresql", False, f"{url}: {type(exc).__name__}")
+    if present < 4:
+        return CheckResult("postgresql", False, f"{url}: outbox tables missing (run migrations)")
+    return CheckResult("postgresql", True, url)
+
+
+def _check_valkey(settings: OutboxSettings) -> CheckResult:
+    if settings.valkey_url is None:
+        return CheckResult("valkey", True, "not configured: sweep-only")
+    import redis
+
+    try:
+        redis.Redis.from_url(settings.valkey_url, socket_connect_timeout=3, socket_timeout=3).ping()
+    except Exception as exc:
+        return CheckResult("valkey", False, f"{redact_url(settings.valkey_url)}: {type(exc).__name__}")
+    return CheckResult("valkey", True, redact_url(settings.valkey_url))
+
+
+def _check_queues(settings: OutboxSettings) -> CheckResult:
+    from sqla_outbox.sqs.client import QueueDirectory, error_code, make_client
+    from sqla_outbox.types import QUEUE_NAMES
+
+    try:
+        directory = QueueDirectory(make_client(settings, max_attempts=1), settings)
+        for queue in QUEUE_NAMES:
+            directory.url(queue)
+            directory.dlq_url(queue)
+    except Exception as exc:
+        return CheckResult("sqs", False, f"{error_code(exc)} (run `sqla-outbox provision`)")
+    return CheckResult(
+        "sqs", True, f"{len(QUEUE_NAMES)} queues and DLQs with prefix {settings.queue_prefix!r}"
+    )
+
+
+def print_report(report: CheckReport, *, as_json: bool) -> None:
+    """Print a check report as a table or JSON."""
+    if as_json:
+        print(
+            json.dumps({"ok": report.ok, "checks": [dataclasses.asdict(r) for r in report.results]}, indent=2)
+        )
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="sqla_outbox services")
+    for column in ("service", "status", "detail"):
+        table.add_column(column)
+    for r in report.results:
+        table.add_row(r.service, "[green]ok[/]" if r.ok else "[red]FAILED[/]", r.detail)
+    Console().print(table)

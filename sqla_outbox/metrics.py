@@ -1,0 +1,68 @@
+"""Prometheus metrics of the relay, the worker and the application-side wake.
+
+All metrics live in ``prometheus_client``'s default registry and carry the
+``sqla_outbox_`` prefix. Relay and worker serve them on ``/metrics`` of their HTTP probe
+(``SQLA_OUTBOX_HEALTH_PORT``); an application process can expose the wake counters with
+its own ``prometheus_client`` endpoint. The alerts worth setting are in
+``docs/runbook.md``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# --- application side ------------------------------------------------------------------
+WAKES = Counter(
+    "sqla_outbox_wakes",
+    "Wake signals after commits, by outcome (sent, failed, skipped while Valkey is down).",
+    ["outcome"],
+)
+
+# --- relay -------------------------------------------------------------------------------
+RELAY_SENT = Counter(
+    "sqla_outbox_relay_messages_sent", "Outbox rows SQS accepted and the relay marked sent.", ["queue"]
+)
+RELAY_FAILED = Counter(
+    "sqla_outbox_relay_messages_failed",
+    "Outbox rows SQS did not accept (they stay pending with backoff).",
+    ["queue", "error_code"],
+)
+RELAY_BATCH_SIZE = Histogram(
+    "sqla_outbox_relay_batch_size",
+    "Entries per SendMessageBatch call.",
+    buckets=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10),
+)
+RELAY_PASS_SECONDS = Histogram(
+    "sqla_outbox_relay_pass_seconds",
+    "Duration of one claim → send → mark pass.",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+RELAY_PENDING = Gauge("sqla_outbox_relay_pending_rows", "Unsent outbox rows, due or not.", ["table", "queue"])
+RELAY_OLDEST_PENDING_AGE = Gauge(
+    "sqla_outbox_relay_oldest_pending_age_seconds",
+    "Age of the oldest due, unsent outbox row (0 when none is due): the relay's lag.",
+    ["table", "queue"],
+)
+RELAY_LEADER = Gauge("sqla_outbox_relay_leader", "1 while this relay holds the advisory lock and sends.")
+
+# --- worker ------------------------------------------------------------------------------
+RUNS_FINISHED = Counter(
+    "sqla_outbox_worker_runs_finished",
+    "Attempts finished, by task and resulting status (succeeded, retrying, failed, queued).",
+    ["task", "status"],
+)
+HANDLER_SECONDS = Histogram(
+    "sqla_outbox_worker_handler_seconds",
+    "Handler duration per attempt.",
+    ["task"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900),
+)
+HEARTBEAT_FAILURES = Counter(
+    "sqla_outbox_worker_heartbeat_failures",
+    "Visibility extensions or lease renewals that failed.",
+    ["queue"],
+)
+DLQ_SENDS = Counter(
+    "sqla_outbox_worker_dlq_sends", "Messages the worker sent to a dead-letter queue.", ["queue", "reason"]
+)
+IN_FLIGHT = Gauge("sqla_outbox_worker_in_flight", "Messages being handled right now.")

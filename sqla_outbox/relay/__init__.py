@@ -1,0 +1,331 @@
+"""The relay: moves committed outbox rows to SQS. ``python -m sqla_outbox.relay``.
+
+One relay is active per database. Relays elect the active one with a PostgreSQL
+session-level advisory lock (``pg_try_advisory_lock(relay_lock_id)``) held on the
+connection that also runs every claim transaction; any other relay is a hot standby that
+retries the lock every ``relay_standby_poll_seconds`` and takes over as soon as the
+active relay's connection ends (PostgreSQL releases session locks when a session ends, so
+a ``kill -9`` hands over within about a second). Two relays never send at the same time.
+
+A pass: in one transaction on that connection, claim up to ``relay_batch_size`` due rows
+per outbox table (``FOR UPDATE SKIP LOCKED``, oldest first), send them
+(:mod:`sqla_outbox.relay.send`), mark accepted rows ``sent_at`` and back off the others
+(``attempts + 1``, ``available_at`` pushed by capped exponential backoff), commit.
+
+Between passes the relay waits for whichever comes first:
+
+* a wake (BLPOP on the wake key, in a listener thread);
+* the earliest future ``available_at`` it knows of (database clock), so delayed runs go
+  out on time rather than at the next sweep;
+* the sweep interval (``relay_sweep_interval_seconds``), the guarantee when wakes are lost;
+* none at all when the last pass was full: a backlog drains at the queue's speed.
+
+Stopping (:meth:`Relay.stop`, SIGTERM/SIGINT in the CLI) lets the pass in progress finish
+and commit, releases the lock and returns. Losing the database ends leadership; the relay
+reconnects with backoff and competes for the lock again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from sqla_outbox import metrics
+from sqla_outbox.config import OutboxSettings
+from sqla_outbox.logging import log_extra
+from sqla_outbox.relay import claim
+from sqla_outbox.relay.send import Sender, SendResult
+from sqla_outbox.wakeup import WakeListener
+
+logger = logging.getLogger(__name__)
+
+_STATS_INTERVAL_SECONDS = 5.0
+
+
+@dataclasses.dataclass
+class PassResult:
+    """Outcome of one claim → send → mark pass.
+
+    Attributes:
+        claimed: Rows claimed. sent: Rows SQS accepted. failed: Rows backed off.
+        full: Some table returned a full batch (more may be waiting).
+    """
+
+    claimed: int = 0
+    sent: int = 0
+    failed: int = 0
+    full: bool = False
+
+
+@dataclasses.dataclass
+class RelayCounters:
+    """Totals since the relay started (also exported as Prometheus metrics)."""
+
+    passes: int = 0
+    sent: int = 0
+    failed: int = 0
+    leader_terms: int = 0
+
+
+def make_engine(settings: OutboxSettings, *, pool_size: int = 2) -> Engine:
+    """Engine for relay/worker bookkeeping: pre-ping, and TCP keepalives so a vanished
+    peer is noticed within about 25 s."""
+    return sa.create_engine(
+        settings.sqlalchemy_url,
+        pool_size=pool_size,
+        max_overflow=2,
+        pool_pre_ping=True,
+        connect_args={
+            "keepalives": 1,
+            "keepalives_idle": 10,
+            "keepalives_interval": 5,
+            "keepalives_count": 3,
+            "application_name": "sqla_outbox",
+        },
+    )
+
+
+class Relay:
+    """Relay process logic, usable in the foreground (:meth:`run`) or in a thread.
+
+    Args:
+        settings: Relay settings (sweep interval, batch size, backoff, lock id, ...).
+        sender: What sends rows; default :class:`~sqla_outbox.relay.send.SqsSender` on a
+            client from :func:`sqla_outbox.sqs.client.make_client`.
+        engine: SQLAlchemy engine; default from ``settings.database_url``.
+        name: Identifies this relay in logs (default ``<host>:<pid>``).
+    """
+
+    def __init__(
+        self,
+        settings: OutboxSettings,
+        *,
+        sender: Sender | None = None,
+        engine: Engine | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self.engine = engine or make_engine(settings)
+        self._owns_engine = engine is None
+        self._sender = sender
+        self.counters = RelayCounters()
+        self.is_leader = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._stats_due = 0.0
+        self._thread: threading.Thread | None = None
+        self.hooks: list[Any] = []  # callables run each leader loop iteration (scheduler)
+
+    # --- public control ------------------------------------------------------------------
+    @property
+    def sender(self) -> Sender:
+        if self._sender is None:
+            from sqla_outbox.relay.send import SqsSender
+            from sqla_outbox.sqs.client import QueueDirectory, make_client
+
+            client = make_client(
+                self.settings, max_pool_connections=max(10, self.settings.relay_send_concurrency * 2)
+            )
+            self._sender = SqsSender(client, QueueDirectory(client, self.settings), self.settings)
+        return self._sender
+
+    def stop(self) -> None:
+        """Ask the relay to finish the pass in progress and return from :meth:`run`."""
+        self._stop.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Start the next pass now (what a wake signal does)."""
+        self._wake.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def start_in_thread(self) -> threading.Thread:
+        """Run :meth:`run` in a daemon thread (the relay-inside-a-worker mode)."""
+        self._thread = threading.Thread(target=self.run, name="sqla-outbox-relay", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- main loop -----------------------------------------------------------------------
+    def run(self) -> None:
+        """Compete for leadership and relay until :meth:`stop` is called."""
+        backoff = 0.5
+        logger.info(
+            "relay started",
+            extra=log_extra(
+                action="relay.started", relay=self.name, batch_size=self.settings.relay_batch_size
+            ),
+        )
+        try:
+            while not self._stop.is_set():
+                try:
+                    with self.engine.connect() as connection:
+                        if self._try_lock(connection):
+                            backoff = 0.5
+                            self._lead(connection)
+                        else:
+                            self._stop.wait(self.settings.relay_standby_poll_seconds)
+                except sa.exc.DBAPIError as exc:
+                    self._set_leader(False)
+                    logger.warning(
+                        "relay lost the database; retrying",
+                        extra=log_extra(
+                            action="relay.db_error", error_type=type(exc.orig).__name__, retry_in_s=backoff
+                        ),
+                    )
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, 10.0)
+        finally:
+            self._set_leader(False)
+            if self._sender is not None:
+                self._sender.close()
+            if self._owns_engine:
+                self.engine.dispose()
+            logger.info("relay stopped", extra=log_extra(action="relay.stopped", relay=self.name))
+
+    def run_once(self) -> PassResult:
+        """One pass if this relay can take the lock (for ``--once`` and scripts).
+
+        Returns an empty result when another relay holds the lock.
+        """
+        with self.engine.connect() as connection:
+            if not self._try_lock(connection):
+                return PassResult()
+            try:
+                return self.pass_once(connection)
+            finally:
+                self._unlock(connection)
+
+    # --- leadership ----------------------------------------------------------------------
+    def _try_lock(self, connection: Connection) -> bool:
+        got = bool(
+            connection.execute(
+                sa.text("SELECT pg_try_advisory_lock(:key)"), {"key": self.settings.relay_lock_id}
+            ).scalar()
+        )
+        connection.commit()
+        return got
+
+    def _unlock(self, connection: Connection) -> None:
+        try:
+            connection.execute(
+                sa.text("SELECT pg_advisory_unlock(:key)"), {"key": self.settings.relay_lock_id}
+            )
+            connection.commit()
+        except sa.exc.DBAPIError:  # the session is gone; so is the lock
+            pass
+
+    def _set_leader(self, leader: bool) -> None:
+        if leader != self.is_leader:
+            self.is_leader = leader
+            metrics.RELAY_LEADER.set(1 if leader else 0)
+
+    def _lead(self, connection: Connection) -> None:
+        self._set_leader(True)
+        self.counters.leader_terms += 1
+        logger.info("relay is the active relay", extra=log_extra(action="relay.leader", relay=self.name))
+        listener = WakeListener(self.settings, self._wake.set)
+        listener.start()
+        try:
+            self._wake.set()  # first pass at once
+            while not self._stop.is_set():
+                self._wait_for_work(connection)
+                if self._stop.is_set():
+                    break
+                result = self.pass_once(connection)
+                for hook in self.hooks:
+                    hook(self)
+                if result.full:
+                    self._wake.set()
+        finally:
+            listener.stop()
+            self._unlock(connection)
+            self._set_leader(False)
+
+    def _wait_for_work(self, connection: Connection) -> None:
+        self._refresh_stats(connection)
+        if self._wake.is_set():
+            self._wake.clear()
+            return
+        timeout = self.settings.relay_sweep_interval_seconds
+        due = claim.seconds_until_next_due(connection)
+        connection.commit()
+        if due is not None:
+            # rows due now but not claimable (locked elsewhere): look again shortly
+            timeout = min(timeout, max(due, 0.02))
+        self._wake.wait(timeout)
+        self._wake.clear()
+
+    def pass_once(self, connection: Connection) -> PassResult:
+        """Claim, send and mark one batch per table in one transaction."""
+        started = time.perf_counter()
+        result = PassResult()
+        limit = self.settings.relay_batch_size
+        with connection.begin():
+            rows = []
+            for table in claim.TABLES:
+                claimed = claim.claim(connection, table, limit=limit)
+                result.full = result.full or len(claimed) == limit
+                rows.extend(claimed)
+            if not rows:
+                return result
+            outcome: SendResult = self.sender.send(rows)
+            for table in claim.TABLES:
+                claim.mark_sent(connection, table, [r.id for r in outcome.sent if r.table == table])
+                claim.mark_failed(
+                    connection,
+                    table,
+                    [r.id for r, _ in outcome.failed if r.table == table],
+                    base_seconds=self.settings.relay_backoff_base_seconds,
+                    max_seconds=self.settings.relay_backoff_max_seconds,
+                )
+        result.claimed, result.sent, result.failed = len(rows), len(outcome.sent), len(outcome.failed)
+        self.counters.passes += 1
+        self.counters.sent += result.sent
+        self.counters.failed += result.failed
+        duration = time.perf_counter() - started
+        metrics.RELAY_PASS_SECONDS.observe(duration)
+        logger.debug(
+            "pass done",
+            extra=log_extra(
+                action="relay.pass",
+                claimed=result.claimed,
+                sent=result.sent,
+                failed=result.failed,
+                duration_ms=round(duration * 1000, 2),
+            ),
+        )
+        return result
+
+    def _refresh_stats(self, connection: Connection) -> None:
+        now = time.monotonic()
+        if now < self._stats_due:
+            return
+        self._stats_due = now + _STATS_INTERVAL_SECONDS
+        stats = claim.pending_stats(connection)
+        connection.commit()
+        seen = set()
+        for stat in stats:
+            seen.add((stat.table, stat.queue))
+            metrics.RELAY_PENDING.labels(stat.table, stat.queue).set(stat.pending)
+            metrics.RELAY_OLDEST_PENDING_AGE.labels(stat.table, stat.queue).set(stat.oldest_due_age_seconds)
+        for table in claim.TABLES:
+            for queue in ("critical", "default", "bulk", "maintenance"):
+                if (table, queue) not in seen:
+                    metrics.RELAY_PENDING.labels(table, queue).set(0)
+                    metrics.RELAY_OLDEST_PENDING_AGE.labels(table, queue).set(0)

@@ -1,0 +1,180 @@
+"""The relay's SQL: claim due rows with SKIP LOCKED, mark them sent or failed, find what is next.
+
+Every statement names its table explicitly (``outbox_messages`` or
+``platform_outbox_messages``); both have the same shape. Claims and marks run in one
+transaction on the relay's connection: a row is marked sent only in the transaction that
+claimed it, after SQS accepted its message, and row locks last until that transaction
+ends (PostgreSQL "SELECT ... FOR UPDATE SKIP LOCKED" semantics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import BigInteger, Float, bindparam, text
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.engine import Connection
+
+TABLES = ("outbox_messages", "platform_outbox_messages")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimedRow:
+    """One claimed outbox row.
+
+    Attributes:
+        table: ``outbox_messages`` or ``platform_outbox_messages``.
+        id: Row id. run_id / queue / tenant_id / envelope: Row values.
+        attempts: Failed send attempts so far.
+        available_at: When it became due.
+    """
+
+    table: str
+    id: int
+    run_id: uuid.UUID
+    queue: str
+    tenant_id: int | None
+    envelope: dict[str, Any]
+    attempts: int
+    available_at: dt.datetime
+
+
+def _claim_sql(table: str) -> Any:
+    tenant = "tenant_id" if table == "outbox_messages" else "NULL::bigint AS tenant_id"
+    return text(
+        f"""
+SELECT id, run_id, queue, {tenant}, envelope, attempts, available_at
+FROM {table}
+WHERE sent_at IS NULL AND available_at <= clock_timestamp()
+ORDER BY available_at, id
+LIMIT :limit
+FOR UPDATE SKIP LOCKED
+"""
+    )
+
+
+_CLAIM = {table: _claim_sql(table) for table in TABLES}
+_MARK_SENT = {
+    table: text(f"UPDATE {table} SET sent_at = clock_timestamp() WHERE id = ANY(:ids)").bindparams(
+        bindparam("ids", type_=ARRAY(BigInteger))
+    )
+    for table in TABLES
+}
+_MARK_FAILED = {
+    table: text(
+        f"""
+UPDATE {table}
+SET attempts = attempts + 1,
+    available_at = clock_timestamp()
+        + make_interval(secs => LEAST(:max_seconds, :base_seconds * power(2, attempts)))
+WHERE id = ANY(:ids)
+"""
+    ).bindparams(
+        bindparam("ids", type_=ARRAY(BigInteger)),
+        bindparam("base_seconds", type_=Float),
+        bindparam("max_seconds", type_=Float),
+    )
+    for table in TABLES
+}
+_NEXT_DUE = text(
+    """
+SELECT EXTRACT(EPOCH FROM (min(available_at) - clock_timestamp()))::float8 FROM (
+    (SELECT available_at FROM outbox_messages WHERE sent_at IS NULL
+     ORDER BY available_at LIMIT 1)
+    UNION ALL
+    (SELECT available_at FROM platform_outbox_messages WHERE sent_at IS NULL
+     ORDER BY available_at LIMIT 1)
+) AS pending
+"""
+)
+_PENDING_STATS = text(
+    """
+SELECT 'outbox_messages' AS tbl, queue, count(*) AS pending,
+       COALESCE(EXTRACT(EPOCH FROM clock_timestamp()
+           - min(available_at) FILTER (WHERE available_at <= clock_timestamp())), 0)::float8 AS lag
+FROM outbox_messages WHERE sent_at IS NULL GROUP BY queue
+UNION ALL
+SELECT 'platform_outbox_messages', queue, count(*),
+       COALESCE(EXTRACT(EPOCH FROM clock_timestamp()
+           - min(available_at) FILTER (WHERE available_at <= clock_timestamp())), 0)::float8
+FROM platform_outbox_messages WHERE sent_at IS NULL GROUP BY queue
+"""
+)
+
+
+def claim(connection: Connection, table: str, *, limit: int) -> list[ClaimedRow]:
+    """Lock up to ``limit`` due, unsent rows of ``table``, oldest ``available_at`` first.
+
+    Args:
+        connection: The relay's connection, inside the pass's transaction.
+        table: One of :data:`TABLES`.
+        limit: Most rows to claim (``relay_batch_size``).
+
+    Returns:
+        The claimed rows, in ``available_at, id`` order; rows locked by another
+        transaction are skipped, never waited for.
+    """
+    rows = connection.execute(_CLAIM[table], {"limit": limit})
+    return [
+        ClaimedRow(
+            table=table,
+            id=r.id,
+            run_id=r.run_id,
+            queue=r.queue,
+            tenant_id=r.tenant_id,
+            envelope=r.envelope,
+            attempts=r.attempts,
+            available_at=r.available_at,
+        )
+        for r in rows
+    ]
+
+
+def mark_sent(connection: Connection, table: str, ids: Sequence[int]) -> None:
+    """Set ``sent_at`` on rows SQS accepted (same transaction as the claim)."""
+    if ids:
+        connection.execute(_MARK_SENT[table], {"ids": list(ids)})
+
+
+def mark_failed(
+    connection: Connection, table: str, ids: Sequence[int], *, base_seconds: float, max_seconds: float
+) -> None:
+    """Count a failed send and push ``available_at`` forward.
+
+    The delay is ``min(max_seconds, base_seconds * 2 ** attempts)`` with ``attempts``
+    the count before this failure (1 s, 2 s, 4 s, ... capped at 300 s by default), so one
+    bad row never holds up the rows behind it.
+    """
+    if ids:
+        connection.execute(
+            _MARK_FAILED[table],
+            {"ids": list(ids), "base_seconds": base_seconds, "max_seconds": max_seconds},
+        )
+
+
+def seconds_until_next_due(connection: Connection) -> float | None:
+    """Seconds (database clock) until the earliest unsent row is due; <= 0 if one is due
+    now; None when nothing is pending."""
+    value = connection.execute(_NEXT_DUE).scalar()
+    return None if value is None else float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingStat:
+    """Unsent rows of one table and queue, and how late the oldest due one is (seconds)."""
+
+    table: str
+    queue: str
+    pending: int
+    oldest_due_age_seconds: float
+
+
+def pending_stats(connection: Connection) -> list[PendingStat]:
+    """Pending rows per table and queue (for gauges and ``sqla-outbox status``)."""
+    return [
+        PendingStat(r.tbl, r.queue, int(r.pending), float(r.lag)) for r in connection.execute(_PENDING_STATS)
+    ]

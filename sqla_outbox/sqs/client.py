@@ -1,0 +1,127 @@
+"""boto3 SQS client creation and queue-URL lookup.
+
+Credentials and region come from boto3's standard chain (environment, profile, instance
+role); ``settings.sqs_endpoint_url`` points at LocalStack or a moto server. When no region
+is configured but an endpoint URL is, ``us-east-1`` is assumed (local emulators ignore
+it); against real AWS a missing region is an error.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+from sqla_outbox import errors
+from sqla_outbox.config import OutboxSettings
+from sqla_outbox.types import QUEUE_NAMES
+
+SQS_MAX_BATCH_ENTRIES = 10
+"""SendMessageBatch / DeleteMessageBatch / ChangeMessageVisibilityBatch entry limit (SQS quota)."""
+
+SQS_MAX_VISIBILITY_SECONDS = 43_200
+"""Largest visibility timeout SQS accepts: 12 hours (SQS quota)."""
+
+
+def make_client(
+    settings: OutboxSettings,
+    *,
+    max_pool_connections: int = 20,
+    read_timeout_seconds: float = 30.0,
+    max_attempts: int = 3,
+) -> Any:
+    """Create a boto3 SQS client from the standard credential/region chain.
+
+    Args:
+        settings: Uses ``sqs_endpoint_url``.
+        max_pool_connections: HTTP connection pool size (concurrent calls).
+        read_timeout_seconds: Socket read timeout; must exceed the long-poll wait (20 s).
+        max_attempts: botocore "standard" retry mode attempts (1 = no retries).
+
+    Raises:
+        ConfigurationError: No region is configured for real AWS.
+    """
+    session = boto3.session.Session()
+    region = session.region_name
+    if region is None:
+        if settings.sqs_endpoint_url is None:
+            raise errors.ConfigurationError(
+                "no AWS region configured; set AWS_REGION (or AWS_DEFAULT_REGION / a profile)",
+                option="AWS_REGION",
+            )
+        region = "us-east-1"
+    config = botocore.config.Config(
+        connect_timeout=5,
+        read_timeout=read_timeout_seconds,
+        retries={"mode": "standard", "max_attempts": max_attempts},
+        max_pool_connections=max_pool_connections,
+    )
+    return session.client("sqs", region_name=region, endpoint_url=settings.sqs_endpoint_url, config=config)
+
+
+def error_code(exc: BaseException) -> str:
+    """Short code for an SQS/transport failure (``AWS.SimpleQueueService.NonExistentQueue``,
+    ``EndpointConnectionError``, ...)."""
+    if isinstance(exc, botocore.exceptions.ClientError):
+        return str(exc.response.get("Error", {}).get("Code", "ClientError"))
+    return type(exc).__name__
+
+
+def is_missing_queue(exc: BaseException) -> bool:
+    """True when ``exc`` says the queue does not exist."""
+    return error_code(exc) in {
+        "AWS.SimpleQueueService.NonExistentQueue",
+        "QueueDoesNotExist",
+        "NonExistentQueue",
+    }
+
+
+class QueueDirectory:
+    """Logical queue name → SQS queue URL (and DLQ URL), looked up once and cached.
+
+    Thread-safe. A lookup failure is not cached, so a queue provisioned later is found.
+    """
+
+    def __init__(self, client: Any, settings: OutboxSettings) -> None:
+        self.client = client
+        self.settings = settings
+        self._urls: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def url(self, queue: str) -> str:
+        """URL of the source queue for ``queue`` (critical, default, bulk, maintenance).
+
+        Raises:
+            botocore.exceptions.ClientError: The queue does not exist (run provisioning).
+        """
+        return self._lookup(self.settings.queue_url_name(queue))
+
+    def dlq_url(self, queue: str) -> str:
+        """URL of the dead-letter queue for ``queue``."""
+        return self._lookup(self.settings.dlq_url_name(queue))
+
+    def forget(self, queue: str) -> None:
+        """Drop cached URLs of ``queue`` (after a NonExistentQueue error)."""
+        with self._lock:
+            self._urls.pop(self.settings.queue_url_name(queue), None)
+            self._urls.pop(self.settings.dlq_url_name(queue), None)
+
+    def logical_name(self, url: str) -> str | None:
+        """The logical queue whose source queue has ``url``, if known."""
+        for queue in QUEUE_NAMES:
+            if self._urls.get(self.settings.queue_url_name(queue)) == url:
+                return queue
+        return None
+
+    def _lookup(self, name: str) -> str:
+        with self._lock:
+            cached = self._urls.get(name)
+        if cached is not None:
+            return cached
+        url = str(self.client.get_queue_url(QueueName=name)["QueueUrl"])
+        with self._lock:
+            self._urls[name] = url
+        return url

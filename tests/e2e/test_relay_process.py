@@ -1,0 +1,238 @@
+"""``python -m sqla_outbox.relay`` as a real subprocess: wake, sweep, delays, outages, failover."""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import json
+import signal
+import time
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from sqla_outbox import Dispatch
+from sqla_outbox.config import OutboxSettings
+from tests import support
+from tests.support import outbox_rows, receive_all, start_relay, wait_for
+
+pytestmark = pytest.mark.e2e
+
+QUEUES = ("critical", "default", "bulk", "maintenance")
+TASK_FOR_QUEUE = {
+    "critical": "charge_card",
+    "default": "audit",
+    "bulk": "index_user",
+    "maintenance": "rebuild_cache",
+}
+
+
+def run_ids_in(sqs: Any, queues: dict[str, str], expect: int, timeout: float = 60.0) -> list[str]:
+    """Every run_id on the four source queues, duplicates included."""
+    found: list[str] = []
+    deadline = time.monotonic() + timeout
+    while len(found) < expect and time.monotonic() < deadline:
+        for queue in QUEUES:
+            for message in receive_all(sqs, queues[queue]):
+                found.append(json.loads(message["Body"])["run_id"])
+    return found
+
+
+def sent_run_ids(engine: sa.Engine) -> set[str]:
+    return {str(r.run_id) for r in outbox_rows(engine) if r.sent_at is not None}
+
+
+def test_commit_reaches_the_right_queue_at_once_and_rollback_never_does(
+    app: sessionmaker[Session],
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+    engine: sa.Engine,
+) -> None:
+    relay = start_relay(settings.replace(relay_sweep_interval_seconds=30), sqs_endpoint)
+    try:
+        relay.wait_for_action("relay.leader")
+        with app() as session:
+            session.add(Dispatch("audit", {"rolled": "back"}))
+            session.flush()
+            session.rollback()
+        started = time.monotonic()
+        with app() as session, session.begin():
+            item = Dispatch("charge_card", {"amount": 12}, tenant_id=2)
+            session.add(item)
+        [message] = receive_all(sqs, queues["critical"], expect=1, timeout=10)
+        elapsed = time.monotonic() - started
+        body = json.loads(message["Body"])
+        assert body["run_id"] == str(item.run_id)
+        assert json.loads(body["payload"]) == {"amount": 12}
+        assert elapsed < 5  # the wake, not the 30 s sweep
+        assert receive_all(sqs, queues["default"]) == []
+    finally:
+        assert relay.terminate() == 0
+    assert relay.actions("relay.stopped")
+
+
+def test_delayed_run_is_sent_on_time(
+    app: sessionmaker[Session],
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    queues: dict[str, str],
+    engine: sa.Engine,
+) -> None:
+    relay = start_relay(settings.replace(relay_sweep_interval_seconds=30), sqs_endpoint)
+    try:
+        relay.wait_for_action("relay.leader")
+        with app() as session, session.begin():
+            session.add_all(
+                [Dispatch("audit", {"d": d}, delay=dt.timedelta(seconds=d)) for d in (1.0, 1.5, 2.0)]
+            )
+        wait_for(lambda: len(sent_run_ids(engine)) == 3, timeout=15)
+        lateness = [r.sent_at - r.available_at for r in outbox_rows(engine)]
+        assert all(dt.timedelta(0) <= late < dt.timedelta(milliseconds=500) for late in lateness), lateness
+    finally:
+        assert relay.terminate() == 0
+
+
+def test_backlog_over_four_queues_drains_exactly_once(
+    app: sessionmaker[Session],
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+    engine: sa.Engine,
+) -> None:
+    expected: dict[str, str] = {}
+    with app() as session, session.begin():
+        for n in range(500):
+            queue = QUEUES[n % 4]
+            tenant = 1 + n % 5 if queue != "maintenance" else None
+            item = Dispatch(TASK_FOR_QUEUE[queue], {"n": n}, tenant_id=tenant)
+            session.add(item)
+            expected[str(item.run_id)] = queue
+    relay = start_relay(settings, sqs_endpoint)
+    try:
+        wait_for(lambda: len(sent_run_ids(engine)) == 500, timeout=90)
+        found: dict[str, list[str]] = collections.defaultdict(list)
+        for queue in QUEUES:
+            for message in receive_all(sqs, queues[queue], expect=125, timeout=60):
+                found[json.loads(message["Body"])["run_id"]].append(queue)
+        assert {run: qs for run, qs in found.items() if len(qs) > 1} == {}
+        assert {run: qs[0] for run, qs in found.items()} == expected
+    finally:
+        assert relay.terminate() == 0
+
+
+def test_without_valkey_the_sweep_delivers(
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+    catalog: Any,
+) -> None:
+    import sqla_outbox
+
+    down = settings.replace(valkey_url=support.closed_port_url(), relay_sweep_interval_seconds=1)
+    maker = sessionmaker(engine)
+    sqla_outbox.install(maker, down, catalog=catalog)
+    relay = start_relay(down, sqs_endpoint)
+    try:
+        relay.wait_for_action("relay.leader")
+        relay.wait_for_action("relay.wake_lost")
+        with maker() as session, session.begin():
+            session.add_all([Dispatch("audit", {"n": n}) for n in range(5)])
+        assert len(receive_all(sqs, queues["default"], expect=5, timeout=15)) == 5
+    finally:
+        sqla_outbox.uninstall(maker)
+        assert relay.terminate() == 0
+
+
+def test_sqs_outage_then_recovery_delivers_everything_and_counts_attempts(
+    app: sessionmaker[Session],
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+    engine: sa.Engine,
+) -> None:
+    host, port = sqs_endpoint.removeprefix("http://").split(":")
+    proxy = support.TcpProxy(host, int(port))
+    relay = start_relay(
+        settings,
+        proxy.endpoint,
+        SQLA_OUTBOX_RELAY_BACKOFF_BASE_SECONDS="0.2",
+        SQLA_OUTBOX_RELAY_BACKOFF_MAX_SECONDS="1",
+    )
+    try:
+        relay.wait_for_action("relay.leader")
+        proxy.disable()
+        with app() as session, session.begin():
+            session.add_all([Dispatch("audit", {"n": n}) for n in range(20)])
+        wait_for(lambda: all(r.attempts >= 2 for r in outbox_rows(engine)), timeout=60)
+        assert sent_run_ids(engine) == set()
+        proxy.enable()
+        wait_for(lambda: len(sent_run_ids(engine)) == 20, timeout=60)
+        assert (
+            len({json.loads(m["Body"])["run_id"] for m in receive_all(sqs, queues["default"], expect=20)})
+            == 20
+        )
+        assert relay.actions("relay.send_failed")
+    finally:
+        relay.terminate()
+        proxy.close()
+
+
+def test_sigterm_during_a_backlog_marks_only_what_sqs_accepted(
+    app: sessionmaker[Session],
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+    engine: sa.Engine,
+) -> None:
+    with app() as session, session.begin():
+        session.add_all([Dispatch("audit", {"n": n}) for n in range(400)])
+    relay = start_relay(settings.replace(relay_batch_size=20), sqs_endpoint)
+    wait_for(lambda: len(sent_run_ids(engine)) >= 40, timeout=60)
+    relay.process.send_signal(signal.SIGTERM)
+    assert relay.process.wait(60) == 0
+    marked = sent_run_ids(engine)
+    assert 40 <= len(marked) < 400
+    in_sqs = set(run_ids_in(sqs, queues, expect=len(marked), timeout=60))
+    assert marked <= in_sqs  # nothing marked sent that SQS did not accept
+    assert in_sqs == marked  # the pass in progress finished: nothing sent and left unmarked
+    assert relay.actions("relay.stopped")
+
+
+def test_two_relays_never_both_send_and_the_standby_takes_over(
+    app: sessionmaker[Session],
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+    engine: sa.Engine,
+) -> None:
+    first = start_relay(settings, sqs_endpoint, name="first")
+    first.wait_for_action("relay.leader")
+    second = start_relay(settings, sqs_endpoint, name="second")
+    try:
+        second.wait_for_action("relay.started")
+        with app() as session, session.begin():
+            session.add_all([Dispatch("audit", {"n": n}) for n in range(100)])
+        wait_for(lambda: len(sent_run_ids(engine)) == 100, timeout=60)
+        assert not second.actions("relay.leader")  # hot standby only
+        first.kill()  # kill -9: the advisory lock goes with its session
+        killed_at = time.monotonic()
+        second.wait_for_action("relay.leader", timeout=15)
+        assert time.monotonic() - killed_at < 5
+        with app() as session, session.begin():
+            session.add_all([Dispatch("audit", {"n": n}) for n in range(100, 150)])
+        wait_for(lambda: len(sent_run_ids(engine)) == 150, timeout=60)
+        found = run_ids_in(sqs, queues, expect=150)
+        assert len(found) == 150 and len(set(found)) == 150
+    finally:
+        first.kill()
+        assert second.terminate() == 0
