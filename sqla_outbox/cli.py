@@ -272,6 +272,112 @@ def migrate_command(
             migrations.upgrade(settings.sqlalchemy_url, revision, sql=sql)
 
 
+@main.command("worker")
+@common_options
+@setting("worker_queues", "--queues", "-Q", callback=lambda ctx, param, value: _split(value))
+@setting("worker_concurrency", "--concurrency", "-c", type=int)
+@setting("worker_imports", "--imports", "-I", callback=lambda ctx, param, value: _split(value))
+@setting("worker_wait_seconds", "--wait-seconds", type=int)
+@setting("worker_stop_budget_seconds", "--stop-budget", type=float)
+@setting("worker_run_relay", "--with-relay/--without-relay")
+@setting("worker_id", "--worker-id")
+@setting("health_port", "--health-port", type=int)
+@setting("catalog_path", "--catalog")
+@click.option("--check", is_flag=True, help="Check the database, Valkey, SQS and the handlers, then exit.")
+@click.option("--json", "as_json", is_flag=True, help="With --check: print JSON.")
+def worker_command(
+    verbose: int, log_format: str, traceback: bool, check: bool, as_json: bool, **options: Any
+) -> None:
+    """Run task handlers from SQS: heartbeats, retries, DLQ, run history, graceful stop."""
+    setup_logging(verbose, log_format)
+    with handle_errors(traceback):
+        settings = load_settings(**options)
+        from sqla_outbox.worker.consumer import Worker, import_task_modules
+
+        import_task_modules(settings.worker_imports)
+        if check:
+            from sqla_outbox import health
+
+            report = health.check_services(settings, need_queues=True)
+            health.print_report(report, as_json=as_json)
+            sys.exit(EXIT_OK if report.ok else EXIT_CONNECT)
+        worker = Worker(settings)
+        probe = None
+        if settings.health_port is not None:
+            from sqla_outbox.health import ProbeServer
+
+            probe = ProbeServer(
+                settings.health_port,
+                ready=lambda: worker.ready and not worker.stopping,
+                alive=worker.is_alive,
+            )
+            probe.start()
+        try:
+            worker.run()
+        finally:
+            if probe is not None:
+                probe.stop()
+
+
+@main.group("catalog")
+def catalog_group() -> None:
+    """The task catalog (tasks.json) the API side reads."""
+
+
+@catalog_group.command("write")
+@setting("worker_imports", "--imports", "-I", callback=lambda ctx, param, value: _split(value))
+@setting("catalog_path", "--output", "-o")
+@click.option("--check", is_flag=True, help="Exit 1 if the file on disk differs (for CI).")
+def catalog_write_command(check: bool, **options: Any) -> None:
+    """Write tasks.json from the @task registrations in --imports modules."""
+    with handle_errors(False):
+        settings = load_settings(**options)
+        from sqla_outbox.worker.consumer import import_task_modules
+        from sqla_outbox.worker.registry import registry
+
+        import_task_modules(settings.worker_imports)
+        if not registry.tasks:
+            raise errors.ConfigurationError(
+                "no tasks registered; pass the modules that define them with --imports",
+                option="SQLA_OUTBOX_WORKER_IMPORTS",
+            )
+        from pathlib import Path
+
+        text = registry.catalog().to_json()
+        path = Path(settings.catalog_path)
+        if check:
+            current = path.read_text(encoding="utf-8") if path.exists() else ""
+            if current != text:
+                import difflib
+
+                diff = difflib.unified_diff(
+                    current.splitlines(keepends=True),
+                    text.splitlines(keepends=True),
+                    fromfile=f"{path} (on disk)",
+                    tofile=f"{path} (from the registered tasks)",
+                )
+                click.echo("".join(diff), nl=False)
+                click.echo(f"error: {path} is stale; run `sqla-outbox catalog write`", err=True)
+                sys.exit(EXIT_CHECK_FAILED)
+            click.echo(f"{path} is up to date ({len(registry.tasks)} tasks)")
+            return
+        path.write_text(text, encoding="utf-8")
+        click.echo(f"wrote {path} ({len(registry.tasks)} tasks)")
+
+
+def _split(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        value = ",".join(value)
+    return tuple(part.strip() for part in str(value).split(",") if part.strip())
+
+
+def main_worker() -> None:
+    """``python -m sqla_outbox.worker`` / ``sqla-outbox-worker``."""
+    worker_command.main(args=sys.argv[1:], prog_name="python -m sqla_outbox.worker")
+
+
 def main_relay() -> None:
     """``python -m sqla_outbox.relay`` / ``sqla-outbox-relay``."""
     relay_command.main(args=sys.argv[1:], prog_name="python -m sqla_outbox.relay")

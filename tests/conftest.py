@@ -110,6 +110,11 @@ def template_db(pg_url: str) -> Iterator[str]:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("CREATE TABLE tenants (id bigint PRIMARY KEY, name text)")
         conn.execute("INSERT INTO tenants SELECT g, 'tenant ' || g FROM generate_series(1, 20) g")
+        # what test handlers do through their session (counted to prove exactly-once)
+        conn.execute(
+            "CREATE TABLE effects (id bigserial PRIMARY KEY, run_id uuid NOT NULL, task text NOT NULL, "
+            "attempt int, worker text, note text, at timestamptz DEFAULT clock_timestamp())"
+        )
     from sqla_outbox import migrations
 
     migrations.upgrade(sqlalchemy_url(url))

@@ -384,3 +384,43 @@ def service_env(settings: Any, endpoint: str, **extra: str) -> dict[str, str]:
 def start_relay(settings: Any, endpoint: str, name: str = "relay", **extra: str) -> ServiceProcess:
     args = [sys.executable, "-m", "sqla_outbox.relay", "--log-format", "json"]
     return ServiceProcess(args, service_env(settings, endpoint, **extra), name)
+
+
+def start_worker(
+    settings: Any, endpoint: str, name: str = "worker", imports: str = "tests.e2e.worker_tasks", **extra: str
+) -> ServiceProcess:
+    args = [sys.executable, "-m", "sqla_outbox.worker", "--log-format", "json", "--imports", imports]
+    env = service_env(settings, endpoint, **extra)
+    env.setdefault("SQLA_OUTBOX_WORKER_WAIT_SECONDS", "1")
+    env.setdefault("SQLA_OUTBOX_WORKER_BACKOFF_BASE_SECONDS", "0.5")
+    env.setdefault("SQLA_OUTBOX_WORKER_BACKOFF_MAX_SECONDS", "2")
+    return ServiceProcess(args, env, name)
+
+
+def set_visibility(client: Any, queue_url: str, seconds: int) -> None:
+    client.set_queue_attributes(QueueUrl=queue_url, Attributes={"VisibilityTimeout": str(seconds)})
+
+
+def run_row(engine: sa.Engine, run_id: Any) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(sa.text("SELECT * FROM task_runs WHERE run_id = :r"), {"r": run_id}).one()
+
+
+def trail(engine: sa.Engine, run_id: Any) -> list[Any]:
+    with engine.connect() as conn:
+        return list(
+            conn.execute(sa.text("SELECT * FROM task_run_trail WHERE run_id = :r ORDER BY id"), {"r": run_id})
+        )
+
+
+def effects(engine: sa.Engine, run_id: Any = None) -> list[Any]:
+    with engine.connect() as conn:
+        if run_id is None:
+            return list(conn.execute(sa.text("SELECT * FROM effects ORDER BY id")))
+        return list(
+            conn.execute(sa.text("SELECT * FROM effects WHERE run_id = :r ORDER BY id"), {"r": run_id})
+        )
+
+
+def status_of(engine: sa.Engine, run_id: Any) -> str:
+    return str(run_row(engine, run_id).status)

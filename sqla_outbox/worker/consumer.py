@@ -1,0 +1,380 @@
+"""The worker process: receive, run handlers, heartbeat, shut down gracefully.
+
+The worker runs an asyncio event loop. Each consumed queue has a long-polling receiver
+(:mod:`sqla_outbox.worker.receive`) that takes handler slots before it receives; each
+message is handled by its own task (:mod:`sqla_outbox.worker.handle`); a heartbeat task
+extends visibility and leases (:mod:`sqla_outbox.worker.heartbeat`). Blocking calls
+(boto3, the worker's own SQL) run on a thread pool; sync handlers run on a thread of
+their own; async handlers run on the loop.
+
+Shutdown (:meth:`Worker.stop`, SIGTERM/SIGINT in the CLI): readiness turns false, the
+receivers stop (a long poll that returns afterwards gives its messages straight back),
+in-flight handlers get up to ``worker_stop_budget_seconds`` to finish, and whatever is
+still running is cancelled: its run goes back to ``queued`` and its message becomes
+visible at once (ChangeMessageVisibility 0). Then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import importlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from sqla_outbox import errors, metrics
+from sqla_outbox.catalog import Catalog
+from sqla_outbox.config import OutboxSettings
+from sqla_outbox.events import install
+from sqla_outbox.logging import log_extra
+from sqla_outbox.relay import make_engine
+from sqla_outbox.sqs.client import QueueDirectory, error_code, make_client
+from sqla_outbox.types import QUEUE_NAMES
+from sqla_outbox.worker import handle as handling
+from sqla_outbox.worker.heartbeat import heartbeat_loop
+from sqla_outbox.worker.outcome import Outcomes
+from sqla_outbox.worker.receive import RECEIVE_MAX_MESSAGES, SlotPool
+from sqla_outbox.worker.registry import Registry
+from sqla_outbox.worker.registry import registry as default_registry
+
+logger = logging.getLogger("sqla_outbox.worker")
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class WorkerCounters:
+    """Totals since start (the same events are Prometheus metrics)."""
+
+    received: int = 0
+    succeeded: int = 0
+    retried: int = 0
+    failed: int = 0
+    dead_lettered: int = 0
+    duplicates_skipped: int = 0
+    duplicates_held: int = 0
+    foreign: int = 0
+    returned: int = 0
+    lost_leases: int = 0
+
+
+def import_task_modules(modules: tuple[str, ...] | list[str]) -> None:
+    """Import the modules whose ``@task`` decorators register the handlers.
+
+    Raises:
+        ConfigurationError: A module cannot be imported (names it).
+    """
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise errors.ConfigurationError(
+                f"cannot import task module {name!r}: {exc}", option="SQLA_OUTBOX_WORKER_IMPORTS"
+            ) from exc
+
+
+class Worker:
+    """Consumes SQS queues and runs registered handlers.
+
+    Args:
+        settings: Worker settings (queues, concurrency, wait, backoff, stop budget, ...).
+        registry: Where handlers are registered (default: the ``@task`` registry).
+        catalog: Catalog for dispatches made by handlers; default the file at
+            ``catalog_path`` when it exists, else the registry's own catalog.
+        engine: Sync SQLAlchemy engine (default from ``database_url``).
+        client: boto3 SQS client (default from the standard chain).
+        name: Worker id in the trail and logs (default ``worker_id`` or ``host:pid``).
+    """
+
+    def __init__(
+        self,
+        settings: OutboxSettings,
+        *,
+        registry: Registry | None = None,
+        catalog: Catalog | None = None,
+        engine: Engine | None = None,
+        client: Any = None,
+        name: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry or default_registry
+        self.worker_id = name or settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        concurrency = settings.worker_concurrency
+        self.engine = engine or make_engine(settings, pool_size=concurrency + 4)
+        self._owns_engine = engine is None
+        if catalog is None:
+            path = Path(settings.catalog_path)
+            catalog = Catalog.load(path) if path.exists() else self.registry.catalog()
+        self.catalog = catalog
+        self.session_factory: sessionmaker[Session] = sessionmaker(self.engine)
+        install(self.session_factory, settings, catalog=catalog)
+        self._async_factory: Any = None
+        self._async_engine: Any = None
+        self.client = client or make_client(
+            settings,
+            max_pool_connections=concurrency + len(settings.worker_queues) * 2 + 8,
+            read_timeout_seconds=settings.worker_wait_seconds + 15,
+        )
+        self.directory = QueueDirectory(self.client, settings)
+        self.outcomes = Outcomes(self.client, self.directory, max_message_bytes=settings.max_message_bytes)
+        self.queues = [q for q in QUEUE_NAMES if q in settings.worker_queues]
+        self.visibility: dict[str, int] = {}
+        self.slots = SlotPool(concurrency)
+        self.in_flight: dict[int, handling.InFlight] = {}
+        self.counters = WorkerCounters()
+        self.ready = False
+        self.stopping = False
+        self._io_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=concurrency + len(self.queues) + 6, thread_name_prefix="sqla-outbox-io"
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._beat_at = time.monotonic()
+        self.relay: Any = None
+
+    # --- resources -----------------------------------------------------------------------
+    @property
+    def async_session_factory(self) -> Any:
+        """``async_sessionmaker`` for async handlers (created on first use)."""
+        if self._async_factory is None:
+            from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+            self._async_engine = create_async_engine(
+                self.settings.sqlalchemy_url, pool_size=self.settings.worker_concurrency, pool_pre_ping=True
+            )
+            self._async_factory = async_sessionmaker(self._async_engine)
+            install(self._async_factory, self.settings, catalog=self.catalog)
+        return self._async_factory
+
+    async def io(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking call on the worker's I/O threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._io_pool, functools.partial(fn, *args))
+
+    def in_transaction(self, work: Callable[[Connection], T]) -> T:
+        """Run ``work`` in its own committed transaction (blocking)."""
+        with self.engine.begin() as connection:
+            return work(connection)
+
+    # --- control -------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Begin a graceful shutdown (thread-safe; also what SIGTERM/SIGINT do)."""
+        if self._loop is not None and self._stop_event is not None:
+            self._loop.call_soon_threadsafe(self._stop_event.set)
+
+    def is_alive(self) -> bool:
+        return time.monotonic() - self._beat_at < 30
+
+    def run(self, *, handle_signals: bool = True) -> None:
+        """Run until stopped. Returns after a graceful shutdown.
+
+        Raises:
+            ConfigurationError: A consumed queue does not exist, or bad settings.
+        """
+        asyncio.run(self._main(handle_signals))
+
+    async def _main(self, handle_signals: bool) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        if handle_signals:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(signum, self._stop_event.set)
+        await self.io(self._resolve_queues)
+        if self.settings.worker_run_relay:
+            from sqla_outbox.relay import Relay
+
+            self.relay = Relay(self.settings, name=f"{self.worker_id}/relay")
+            self.relay.start_in_thread()
+        receivers = [asyncio.create_task(self._receiver(q), name=f"receive-{q}") for q in self.queues]
+        heartbeat = asyncio.create_task(heartbeat_loop(self), name="heartbeat")
+        ticker = asyncio.create_task(self._tick(), name="liveness")
+        self.ready = True
+        logger.info(
+            "worker started",
+            extra=log_extra(
+                action="worker.started",
+                worker_id=self.worker_id,
+                queues=",".join(self.queues),
+                concurrency=self.settings.worker_concurrency,
+                tasks=len(self.registry.tasks),
+            ),
+        )
+        await self._stop_event.wait()
+        await self._shutdown(receivers, heartbeat, ticker)
+
+    def _resolve_queues(self) -> None:
+        for queue in self.queues:
+            try:
+                url = self.directory.url(queue)
+                self.directory.dlq_url(queue)
+                attributes = self.client.get_queue_attributes(
+                    QueueUrl=url, AttributeNames=["VisibilityTimeout"]
+                )
+            except Exception as exc:
+                raise errors.ConfigurationError(
+                    f"queue {self.settings.queue_url_name(queue)!r} or its DLQ is not usable "
+                    f"({error_code(exc)}); run `sqla-outbox provision`",
+                    option="SQLA_OUTBOX_WORKER_QUEUES",
+                ) from exc
+            self.visibility[queue] = int(attributes["Attributes"]["VisibilityTimeout"])
+
+    async def _tick(self) -> None:
+        while True:
+            self._beat_at = time.monotonic()
+            metrics.IN_FLIGHT.set(len(self.in_flight))
+            await asyncio.sleep(1)
+
+    # --- receiving -----------------------------------------------------------------------
+    async def _receiver(self, queue: str) -> None:
+        assert self._stop_event is not None
+        want = 1
+        backoff = 0.5
+        while not self.stopping:
+            acquire = asyncio.ensure_future(self.slots.acquire(queue, want))
+            stop = asyncio.ensure_future(self._stop_event.wait())
+            done, _ = await asyncio.wait({acquire, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if acquire not in done:
+                acquire.cancel()
+                return
+            granted = acquire.result()
+            if self.stopping:
+                self.slots.release(granted)
+                return
+            try:
+                messages = await self.io(self._receive, queue, granted)
+                backoff = 0.5
+            except Exception as exc:
+                self.slots.release(granted)
+                logger.warning(
+                    "receive failed",
+                    extra=log_extra(action="worker.receive_failed", queue=queue, error_code=error_code(exc)),
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            self.slots.release(granted - len(messages))
+            want = RECEIVE_MAX_MESSAGES if messages else 1
+            for message in messages:
+                self._start(queue, message)
+
+    def _receive(self, queue: str, count: int) -> list[dict[str, Any]]:
+        response = self.client.receive_message(
+            QueueUrl=self.directory.url(queue),
+            MaxNumberOfMessages=min(count, RECEIVE_MAX_MESSAGES),
+            WaitTimeSeconds=self.settings.worker_wait_seconds,
+            AttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
+            MessageAttributeNames=["All"],
+        )
+        messages: list[dict[str, Any]] = response.get("Messages", [])
+        return messages
+
+    def _start(self, queue: str, message: dict[str, Any]) -> None:
+        self.counters.received += 1
+        attributes = message.get("Attributes", {})
+        try:
+            receive_count = int(attributes.get("ApproximateReceiveCount", "1"))
+        except ValueError:
+            receive_count = 1
+        flight = handling.InFlight(
+            queue=queue,
+            message_id=str(message.get("MessageId", "")),
+            receipt_handle=str(message.get("ReceiptHandle", "")),
+            receive_count=receive_count,
+            body=str(message.get("Body", "")),
+            attributes=dict(message.get("MessageAttributes", {})),
+        )
+        key = id(flight)
+        self.in_flight[key] = flight
+        if self.stopping:
+            flight.task = asyncio.create_task(self._give_back(key, flight))
+        else:
+            flight.task = asyncio.create_task(self._handle(key, flight))
+
+    async def _handle(self, key: int, flight: handling.InFlight) -> None:
+        try:
+            await handling.handle_message(self, flight)
+        except asyncio.CancelledError:
+            await self._give_back_safely(flight, "worker shutdown")
+            raise
+        except Exception:
+            logger.exception(
+                "message handling failed; it will be delivered again",
+                extra=log_extra(
+                    action="worker.handle_error", queue=flight.queue, message_id=flight.message_id
+                ),
+            )
+        finally:
+            self.in_flight.pop(key, None)
+            self.slots.release(1)
+
+    async def _give_back(self, key: int, flight: handling.InFlight) -> None:
+        try:
+            await self._give_back_safely(flight, "received during shutdown")
+        finally:
+            self.in_flight.pop(key, None)
+            self.slots.release(1)
+
+    async def _give_back_safely(self, flight: handling.InFlight, reason: str) -> None:
+        try:
+            await asyncio.shield(handling.give_back(self, flight, reason=reason))
+        except Exception:
+            logger.exception("could not return a message", extra=log_extra(action="worker.return_failed"))
+
+    # --- shutdown ------------------------------------------------------------------------
+    async def _drain_in_flight(self) -> None:
+        pending = [f.task for f in list(self.in_flight.values()) if f.task is not None]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _shutdown(self, receivers: list[asyncio.Task[None]], *others: asyncio.Task[None]) -> None:
+        self.stopping = True
+        self.ready = False
+        logger.info(
+            "worker stopping",
+            extra=log_extra(
+                action="worker.stopping",
+                in_flight=len(self.in_flight),
+                budget_s=self.settings.worker_stop_budget_seconds,
+            ),
+        )
+        deadline = time.monotonic() + self.settings.worker_stop_budget_seconds
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for flight in list(self.in_flight.values()):
+            if flight.ctx is not None:
+                flight.ctx.cancel_event.set()
+            if flight.task is not None and not flight.task.done():
+                flight.task.cancel()
+        await self._drain_in_flight()
+        # receivers blocked in a long poll return within worker_wait_seconds; what they
+        # bring is given straight back
+        await asyncio.wait(receivers, timeout=self.settings.worker_wait_seconds + 5)
+        for task in receivers:
+            task.cancel()
+        await asyncio.gather(*receivers, return_exceptions=True)
+        await self._drain_in_flight()
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        if self.relay is not None:
+            self.relay.stop()
+            await self.io(self.relay.join, 30)
+        logger.info(
+            "worker stopped", extra=log_extra(action="worker.stopped", **dataclasses.asdict(self.counters))
+        )
+        self._io_pool.shutdown(wait=False)
+        if self._async_engine is not None:
+            await self._async_engine.dispose()
+        if self._owns_engine:
+            self.engine.dispose()

@@ -1,0 +1,512 @@
+"""Handling one received message, from untrusted body to final verdict.
+
+1. **Decode** the body (:func:`sqla_outbox.envelope.decode`: JSON only, size-bounded,
+   every field checked). Malformed → DLQ with the reason, never executed.
+2. **Take the run's lease** (:func:`sqla_outbox.worker.runs.take_lease`). No such run
+   (foreign or forged message) or a run of another task/tenant → DLQ, never executed.
+   A finished run → the copy is acknowledged and skipped (a failed run whose DLQ send
+   was interrupted gets it completed). A live lease elsewhere → the copy is hidden until
+   that lease would expire; it runs only if the other worker vanished.
+3. **Check** the receive count (a message redelivered past ``max_receives`` without a
+   verdict, e.g. after worker crashes, goes to the DLQ) and that a handler exists.
+4. **Run** the handler with its timeout, heartbeat running (see ``heartbeat.py``). The
+   handler's session commits together with ``running → succeeded``.
+5. **Verdict**: success → delete; :class:`~sqla_outbox.errors.Retry` or another exception
+   → ``retrying`` and ChangeMessageVisibility(backoff), or the permanent path on the
+   last allowed receive; :class:`~sqla_outbox.errors.PermanentError` or a type listed in
+   ``@task(permanent=...)`` → ``failed``, DLQ with the error context, delete; timeout →
+   transient, cancellation signalled, slot freed.
+
+Database first, then SQS: if the worker dies in between, the copy that comes back finds
+the run's state and finishes the job (acknowledges, or completes the DLQ send).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import logging
+import threading
+import time
+import traceback as tb
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from sqla_outbox import envelope, errors, metrics, tracing
+from sqla_outbox.logging import log_extra, short_handle
+from sqla_outbox.worker import runs
+from sqla_outbox.worker.context import TaskContext
+from sqla_outbox.worker.outcome import backoff_seconds, utc_now_text
+from sqla_outbox.worker.registry import TaskDefinition
+
+if TYPE_CHECKING:
+    from sqla_outbox.worker.consumer import Worker
+
+logger = logging.getLogger("sqla_outbox.worker")
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A received message the worker is working on."""
+
+    queue: str
+    message_id: str
+    receipt_handle: str
+    receive_count: int
+    body: str
+    attributes: dict[str, Any]
+    received_at: float = dataclasses.field(default_factory=time.monotonic)
+    extended_at: float = dataclasses.field(default_factory=time.monotonic)
+    run_id: uuid.UUID | None = None
+    task_name: str | None = None
+    attempt: int = 0
+    ctx: TaskContext | None = None
+    task: asyncio.Task[None] | None = None
+    leased: bool = False
+    verdict: str | None = None
+
+
+class _LeaseLost(Exception):
+    """The attempt no longer holds the run (its finish matched nothing)."""
+
+
+class _TimedOut(Exception):
+    """The attempt's own timeout fired (as opposed to a TimeoutError the handler raised)."""
+
+
+async def _with_timeout(awaitable: Any, timeout: float | None) -> Any:
+    if not timeout:
+        return await awaitable
+    scope = asyncio.timeout(timeout)
+    try:
+        async with scope:
+            return await awaitable
+    except TimeoutError:
+        if scope.expired():
+            raise _TimedOut from None
+        raise
+
+
+def _run_in_thread(fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
+    """Run ``fn`` on a new daemon thread; a thread per attempt, so a handler that ignores
+    cancellation can never starve the others of threads."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if future.done():
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def target() -> None:
+        try:
+            value, ok = fn(), True
+        except BaseException as exc:
+            value, ok = exc, False
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:  # the loop is gone (worker stopped); nothing awaits this
+            pass
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    # a handler that outlives its timeout still settles the future; nobody awaits it then
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
+async def handle_message(worker: Worker, flight: InFlight) -> None:
+    """Take one message to a verdict (see the module docstring)."""
+    try:
+        env = envelope.decode(flight.body, max_bytes=worker.settings.max_message_bytes)
+    except envelope.MalformedEnvelope as exc:
+        await _dead_letter_foreign(worker, flight, reason=f"malformed-envelope:{exc.reason}", detail=str(exc))
+        return
+    flight.run_id, flight.task_name = env.run_id, env.task
+    claim = await worker.io(
+        worker.in_transaction,
+        lambda conn: runs.take_lease(
+            conn,
+            run_id=env.run_id,
+            task=env.task,
+            tenant_id=env.tenant_id,
+            worker_id=worker.worker_id,
+            lease_seconds=worker.visibility[flight.queue],
+            receive_count=flight.receive_count,
+        ),
+    )
+    status = claim.status
+    if status is runs.ClaimStatus.NOT_FOUND:
+        await _dead_letter_foreign(
+            worker, flight, reason="unknown-run", detail="no task_runs row for this run_id"
+        )
+        return
+    if status is runs.ClaimStatus.MISMATCH:
+        await _dead_letter_foreign(
+            worker, flight, reason="envelope-mismatch", detail="the run exists with another task or tenant"
+        )
+        return
+    if status is runs.ClaimStatus.SUCCEEDED:
+        worker.counters.duplicates_skipped += 1
+        _log(
+            logging.INFO,
+            "copy of a finished run acknowledged",
+            "worker.duplicate",
+            flight,
+            status="succeeded",
+        )
+        await worker.io(worker.outcomes.ack, flight.queue, flight.receipt_handle)
+        return
+    if status is runs.ClaimStatus.FAILED:
+        if claim.dead_lettered:
+            worker.counters.duplicates_skipped += 1
+            await worker.io(worker.outcomes.ack, flight.queue, flight.receipt_handle)
+        else:  # the permanent path was interrupted after `failed`: finish it
+            await _send_to_dlq(worker, flight, reason="completed-after-interruption", failure=None)
+        return
+    if status is runs.ClaimStatus.LEASED:
+        worker.counters.duplicates_held += 1
+        hide = min(claim.lease_remaining_seconds + 2, 43_000)
+        _log(
+            logging.INFO,
+            "run leased by another worker; copy hidden",
+            "worker.leased_elsewhere",
+            flight,
+            hide_s=hide,
+        )
+        await worker.io(worker.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
+        return
+
+    flight.attempt, flight.leased = claim.attempt, True
+    attempt = runs.Attempt(env.run_id, claim.attempt, flight.receive_count, worker.worker_id)
+    try:
+        definition = worker.registry.get(env.task)
+    except errors.HandlerNotFound as missing:
+        await _fail(worker, flight, attempt, missing, reason="unknown-task", trace=None)
+        return
+    limit = definition.retry.max_receives or worker.settings.worker_max_receives
+    if flight.receive_count > limit:
+        exhausted = errors.PermanentError(
+            f"delivered {flight.receive_count} times without a verdict (limit {limit}); "
+            "earlier attempts were lost (worker crash or kill)"
+        )
+        await _fail(worker, flight, attempt, exhausted, reason="receive-limit", trace=None)
+        return
+    await _execute(worker, flight, env, definition, attempt, limit)
+
+
+async def _execute(
+    worker: Worker,
+    flight: InFlight,
+    env: envelope.Envelope,
+    definition: TaskDefinition,
+    attempt: runs.Attempt,
+    limit: int,
+) -> None:
+    timeout = definition.effective_timeout()
+    ctx = TaskContext(
+        run_id=env.run_id,
+        task=env.task,
+        queue=flight.queue,
+        tenant_id=env.tenant_id,
+        event=env.event,
+        attempt=attempt.attempt,
+        receive_count=flight.receive_count,
+        deadline_at=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=timeout) if timeout else None,
+        session=None,
+        logger=logging.LoggerAdapter(
+            logging.getLogger(f"sqla_outbox.task.{env.task}"),
+            log_extra(
+                run_id=str(env.run_id), task=env.task, tenant_id=env.tenant_id, attempt=attempt.attempt
+            ),
+        ),
+        _deadline_monotonic=time.monotonic() + timeout if timeout else None,
+    )
+    flight.ctx = ctx
+    payload = env.payload
+    started = time.perf_counter()
+    _log(logging.DEBUG, "attempt started", "worker.attempt_started", flight, attempt=attempt.attempt)
+    span_attributes = {
+        "sqla_outbox.run_id": str(env.run_id),
+        "sqla_outbox.task": env.task,
+        "sqla_outbox.attempt": attempt.attempt,
+        "sqla_outbox.tenant_id": env.tenant_id,
+        "messaging.system": "aws_sqs",
+        "messaging.destination.name": flight.queue,
+    }
+    try:
+        with tracing.handler_span(f"{env.task} process", env.trace, span_attributes):
+            if definition.is_async:
+                await _with_timeout(_run_async(worker, definition, payload, ctx, attempt), timeout)
+            else:
+                future = _run_in_thread(
+                    lambda: _run_sync(worker, definition, payload, ctx, attempt), name=f"task-{env.task}"
+                )
+                await _with_timeout(asyncio.shield(future), timeout)
+    except _TimedOut:
+        ctx.cancel_event.set()
+        assert timeout is not None
+        await _transient(
+            worker, flight, attempt, errors.AttemptTimeout(timeout), limit, definition, trace=None
+        )
+        return
+    except asyncio.CancelledError:
+        ctx.cancel_event.set()
+        raise
+    except _LeaseLost:
+        await _reconcile_lost(worker, flight)
+        return
+    except errors.Retry as exc:
+        await _transient(worker, flight, attempt, exc, limit, definition, trace=None, delay=exc.delay_seconds)
+        return
+    except Exception as exc:
+        trace = "".join(tb.format_exception(exc))
+        if definition.is_permanent(exc):
+            await _fail(worker, flight, attempt, exc, reason="permanent-error", trace=trace)
+        else:
+            await _transient(worker, flight, attempt, exc, limit, definition, trace=trace)
+        return
+    finally:
+        metrics.HANDLER_SECONDS.labels(env.task).observe(time.perf_counter() - started)
+    flight.verdict = "succeeded"
+    worker.counters.succeeded += 1
+    metrics.RUNS_FINISHED.labels(env.task, "succeeded").inc()
+    _log(
+        logging.INFO,
+        "run succeeded",
+        "worker.succeeded",
+        flight,
+        attempt=attempt.attempt,
+        duration_ms=round((time.perf_counter() - started) * 1000, 2),
+    )
+    await worker.io(worker.outcomes.ack, flight.queue, flight.receipt_handle)
+
+
+def _call(definition: TaskDefinition, payload: Any, ctx: TaskContext) -> Any:
+    return definition.handler(payload, ctx) if definition.takes_context else definition.handler(payload)
+
+
+def _run_sync(
+    worker: Worker, definition: TaskDefinition, payload: Any, ctx: TaskContext, attempt: runs.Attempt
+) -> None:
+    with worker.session_factory() as session:
+        ctx.session = session
+        _call(definition, payload, ctx)
+        if ctx.cancelled:  # timed out or lost: the verdict is already recorded elsewhere
+            session.rollback()
+            raise _LeaseLost
+        if not runs.mark_succeeded(session.connection(), attempt):
+            session.rollback()
+            raise _LeaseLost
+        session.commit()
+
+
+async def _run_async(
+    worker: Worker, definition: TaskDefinition, payload: Any, ctx: TaskContext, attempt: runs.Attempt
+) -> None:
+    async with worker.async_session_factory() as session:
+        ctx.session = session
+        await _call(definition, payload, ctx)
+        won = await session.run_sync(lambda s: runs.mark_succeeded(s.connection(), attempt))
+        if not won:
+            await session.rollback()
+            raise _LeaseLost
+        await session.commit()
+
+
+async def _transient(
+    worker: Worker,
+    flight: InFlight,
+    attempt: runs.Attempt,
+    exc: BaseException,
+    limit: int,
+    definition: TaskDefinition,
+    *,
+    trace: str | None,
+    delay: float | None = None,
+) -> None:
+    if flight.receive_count >= limit:
+        await _fail(worker, flight, attempt, exc, reason="retries-exhausted", trace=trace)
+        return
+    base = definition.retry.backoff_base_seconds
+    cap = definition.retry.backoff_max_seconds
+    seconds = delay
+    if seconds is None:
+        seconds = backoff_seconds(
+            flight.receive_count,
+            base=worker.settings.worker_backoff_base_seconds if base is None else base,
+            cap=worker.settings.worker_backoff_max_seconds if cap is None else cap,
+            elapsed_since_receive=time.monotonic() - flight.received_at,
+        )
+    failure = runs.Failure.from_exception(exc, trace)
+    moved = await worker.io(
+        worker.in_transaction,
+        lambda conn: runs.mark_retrying(conn, attempt, failure, backoff_seconds=seconds),
+    )
+    if not moved:
+        await _reconcile_lost(worker, flight)
+        return
+    flight.verdict = "retrying"
+    worker.counters.retried += 1
+    metrics.RUNS_FINISHED.labels(attempt_task(flight), "retrying").inc()
+    _log(
+        logging.WARNING,
+        "attempt failed; will retry",
+        "worker.retrying",
+        flight,
+        attempt=attempt.attempt,
+        error_type=failure.error_type,
+        backoff_s=round(seconds, 2),
+    )
+    await worker.io(worker.outcomes.retry_after, flight.queue, flight.receipt_handle, seconds)
+
+
+async def _fail(
+    worker: Worker,
+    flight: InFlight,
+    attempt: runs.Attempt,
+    exc: BaseException,
+    *,
+    reason: str,
+    trace: str | None,
+) -> None:
+    failure = runs.Failure.from_exception(exc, trace)
+    moved = await worker.io(
+        worker.in_transaction, lambda conn: runs.mark_failed(conn, attempt, failure, reason=reason)
+    )
+    if not moved:
+        await _reconcile_lost(worker, flight)
+        return
+    flight.verdict = "failed"
+    worker.counters.failed += 1
+    metrics.RUNS_FINISHED.labels(attempt_task(flight), "failed").inc()
+    _log(
+        logging.ERROR,
+        "run failed; sending to the DLQ",
+        "worker.failed",
+        flight,
+        attempt=attempt.attempt,
+        error_type=failure.error_type,
+        reason=reason,
+    )
+    await _send_to_dlq(worker, flight, reason=reason, failure=failure)
+
+
+async def _send_to_dlq(
+    worker: Worker, flight: InFlight, *, reason: str, failure: runs.Failure | None
+) -> None:
+    context = {
+        "reason": reason,
+        "error_type": failure.error_type if failure else "",
+        "error_message": failure.message if failure else "",
+        "failed_at": utc_now_text(),
+        "receive_count": str(flight.receive_count),
+        "source_queue": flight.queue,
+        "worker_id": worker.worker_id,
+    }
+    dlq = await worker.io(
+        worker.outcomes.dead_letter,
+        flight.queue,
+        flight.receipt_handle,
+        flight.body,
+        flight.attributes,
+        context,
+    )
+    metrics.DLQ_SENDS.labels(flight.queue, reason).inc()
+    worker.counters.dead_lettered += 1
+    if flight.run_id is not None:
+        run_id = flight.run_id
+        await worker.io(
+            worker.in_transaction,
+            lambda conn: runs.mark_dead_lettered(
+                conn,
+                run_id,
+                receive_count=flight.receive_count,
+                worker_id=worker.worker_id,
+                dlq=dlq.rsplit("/", 1)[-1],
+            ),
+        )
+
+
+async def _dead_letter_foreign(worker: Worker, flight: InFlight, *, reason: str, detail: str) -> None:
+    """A message that is not one of our runs: DLQ with the reason, never executed."""
+    worker.counters.foreign += 1
+    _log(
+        logging.WARNING,
+        "foreign or malformed message sent to the DLQ",
+        "worker.foreign",
+        flight,
+        reason=reason,
+    )
+    context = {
+        "reason": reason,
+        "error_message": detail[:500],
+        "failed_at": utc_now_text(),
+        "receive_count": str(flight.receive_count),
+        "source_queue": flight.queue,
+        "worker_id": worker.worker_id,
+    }
+    await worker.io(
+        worker.outcomes.dead_letter,
+        flight.queue,
+        flight.receipt_handle,
+        flight.body,
+        flight.attributes,
+        context,
+    )
+    metrics.DLQ_SENDS.labels(flight.queue, reason.split(":")[0]).inc()
+
+
+async def _reconcile_lost(worker: Worker, flight: InFlight) -> None:
+    """The attempt's transition matched nothing: act on the run's real status."""
+    assert flight.run_id is not None
+    run_id = flight.run_id
+    status = await worker.io(worker.in_transaction, lambda conn: runs.current_status(conn, run_id))
+    worker.counters.lost_leases += 1
+    _log(logging.WARNING, "attempt lost the run; reconciling", "worker.lease_lost", flight, status=status)
+    if status == "succeeded":
+        await worker.io(worker.outcomes.ack, flight.queue, flight.receipt_handle)
+    # otherwise another attempt owns the run, or its verdict is recorded and this copy
+    # comes back later and is handled by what the run says then
+
+
+async def give_back(worker: Worker, flight: InFlight, *, reason: str) -> None:
+    """Return a message at once; an attempt in progress puts its run back to ``queued``."""
+    if flight.leased and flight.verdict is None and flight.run_id is not None:
+        attempt = runs.Attempt(flight.run_id, flight.attempt, flight.receive_count, worker.worker_id)
+        moved = await worker.io(
+            worker.in_transaction, lambda conn: runs.mark_requeued(conn, attempt, reason=reason)
+        )
+        if not moved:
+            await _reconcile_lost(worker, flight)
+            return
+        metrics.RUNS_FINISHED.labels(attempt_task(flight), "queued").inc()
+    if flight.verdict is None:
+        worker.counters.returned += 1
+        _log(logging.INFO, "message returned to the queue", "worker.returned", flight, reason=reason)
+        await worker.io(worker.outcomes.give_back, flight.queue, flight.receipt_handle)
+
+
+def attempt_task(flight: InFlight) -> str:
+    return flight.task_name or "unknown"
+
+
+def _log(level: int, message: str, action: str, flight: InFlight, **fields: Any) -> None:
+    logger.log(
+        level,
+        message,
+        extra=log_extra(
+            action=action,
+            run_id=str(flight.run_id) if flight.run_id else None,
+            task=flight.task_name,
+            queue=flight.queue,
+            message_id=flight.message_id,
+            receipt=short_handle(flight.receipt_handle),
+            receive_count=flight.receive_count,
+            **fields,
+        ),
+    )

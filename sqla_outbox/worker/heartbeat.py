@@ -1,0 +1,112 @@
+"""The heartbeat: keep running messages hidden and their runs' leases alive.
+
+Every second the heartbeat looks at the messages in flight; each one whose visibility
+was last extended a third of its queue's visibility timeout ago gets, in one batch per
+queue, ChangeMessageVisibilityBatch back to the full visibility timeout, and its run's
+lease renewed by as much (one UPDATE for all of them). A run whose lease could not be
+renewed (another worker took it over after a long stall) has its attempt cancelled; its
+result would be discarded anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from sqla_outbox import metrics
+from sqla_outbox.logging import log_extra
+from sqla_outbox.sqs.client import SQS_MAX_BATCH_ENTRIES, error_code
+from sqla_outbox.worker import runs
+
+if TYPE_CHECKING:
+    from sqla_outbox.worker.consumer import Worker
+    from sqla_outbox.worker.handle import InFlight
+
+logger = logging.getLogger("sqla_outbox.worker")
+
+
+def due(flights: list[InFlight], visibility: dict[str, int], now: float) -> list[InFlight]:
+    """Flights whose visibility should be extended now (every third of the timeout)."""
+    return [f for f in flights if f.verdict is None and now - f.extended_at >= visibility[f.queue] / 3]
+
+
+async def heartbeat_loop(worker: Worker, *, interval_seconds: float = 1.0) -> None:
+    """Run until cancelled."""
+    while True:
+        await asyncio.sleep(interval_seconds)
+        try:
+            await beat(worker)
+        except Exception as exc:
+            logger.warning(
+                "heartbeat failed",
+                extra=log_extra(action="worker.heartbeat_error", error_type=type(exc).__name__),
+            )
+
+
+async def beat(worker: Worker) -> None:
+    """Extend what is due once."""
+    now = time.monotonic()
+    flights = due(list(worker.in_flight.values()), worker.visibility, now)
+    if not flights:
+        return
+    by_queue: dict[str, list[InFlight]] = {}
+    for flight in flights:
+        by_queue.setdefault(flight.queue, []).append(flight)
+    for queue, group in by_queue.items():
+        for start in range(0, len(group), SQS_MAX_BATCH_ENTRIES):
+            chunk = group[start : start + SQS_MAX_BATCH_ENTRIES]
+            failed = await worker.io(_extend_visibility, worker, queue, chunk)
+            for flight in chunk:
+                if flight.message_id not in failed:
+                    flight.extended_at = now
+            if failed:
+                metrics.HEARTBEAT_FAILURES.labels(queue).inc(len(failed))
+    leased = [f for f in flights if f.leased and f.run_id is not None and f.verdict is None]
+    if not leased:
+        return
+    held_pairs: list[tuple[uuid.UUID, int]] = [(f.run_id, f.attempt) for f in leased if f.run_id is not None]
+    lease_seconds = {f.run_id: float(worker.visibility[f.queue]) for f in leased}
+    longest = max(lease_seconds.values())
+    still_held = await worker.io(
+        worker.in_transaction, lambda conn: runs.renew_leases(conn, held_pairs, lease_seconds=longest)
+    )
+    for flight in leased:
+        if flight.run_id not in still_held and flight.verdict is None and flight.ctx is not None:
+            metrics.HEARTBEAT_FAILURES.labels(flight.queue).inc()
+            flight.ctx.cancel_event.set()
+            logger.warning(
+                "lease lost; cancelling the attempt",
+                extra=log_extra(action="worker.lease_lost", run_id=str(flight.run_id), task=flight.task_name),
+            )
+
+
+def _extend_visibility(worker: Worker, queue: str, flights: list[InFlight]) -> set[str]:
+    """ChangeMessageVisibilityBatch; returns the message ids that failed."""
+    try:
+        response = worker.client.change_message_visibility_batch(
+            QueueUrl=worker.directory.url(queue),
+            Entries=[
+                {
+                    "Id": str(i),
+                    "ReceiptHandle": f.receipt_handle,
+                    "VisibilityTimeout": worker.visibility[queue],
+                }
+                for i, f in enumerate(flights)
+            ],
+        )
+    except Exception as exc:
+        logger.warning(
+            "visibility extension failed",
+            extra=log_extra(action="worker.heartbeat_failed", queue=queue, error_code=error_code(exc)),
+        )
+        return {f.message_id for f in flights}
+    failed = {flights[int(entry["Id"])].message_id for entry in response.get("Failed", [])}
+    if failed:
+        logger.warning(
+            "visibility extension refused",
+            extra=log_extra(action="worker.heartbeat_failed", queue=queue, messages=len(failed)),
+        )
+    return failed

@@ -1,0 +1,151 @@
+"""What the worker tells SQS once it has decided: delete, retry later, dead-letter, return.
+
+* **ack** — DeleteMessage: the run succeeded (or the copy is of a finished run).
+* **retry** — ChangeMessageVisibility to the backoff: the message comes back by itself,
+  and no worker slot is held meanwhile.
+* **dead-letter** — SendMessage to the queue's DLQ with the original body and attributes
+  plus the error context as message attributes, then DeleteMessage from the source.
+* **return** — ChangeMessageVisibility 0: visible again at once (shutdown).
+
+Backoff (:func:`backoff_seconds`): ``base * 2 ** (receive_count - 1)``, capped, with
+"equal jitter" (uniformly between half and all of it), and never past SQS's 12-hour
+visibility limit counted from the receive.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from sqla_outbox import envelope
+from sqla_outbox.sqs.client import SQS_MAX_VISIBILITY_SECONDS, QueueDirectory
+
+SQS_MAX_MESSAGE_ATTRIBUTES = 10
+"""A message carries at most 10 message attributes (SQS quota)."""
+
+_CONTEXT_KEYS = (
+    "reason",
+    "error_type",
+    "error_message",
+    "failed_at",
+    "receive_count",
+    "source_queue",
+    "worker_id",
+)
+
+
+def backoff_seconds(
+    receive_count: int,
+    *,
+    base: float,
+    cap: float,
+    elapsed_since_receive: float = 0.0,
+    rng: random.Random | None = None,
+) -> float:
+    """Visibility delay before the next delivery after a transient failure.
+
+    Args:
+        receive_count: ApproximateReceiveCount of the failed delivery (1 for the first).
+        base: Delay for the first failure, seconds.
+        cap: Largest delay, seconds.
+        elapsed_since_receive: Seconds since this delivery was received; SQS refuses a
+            visibility that ends more than 12 hours after the receive.
+        rng: Random source (tests pass a seeded one).
+
+    Returns:
+        Seconds, within ``[0, min(cap, 43200 - elapsed - 60)]``.
+    """
+    exponential = base * (2 ** max(0, receive_count - 1))
+    ceiling = min(cap, exponential, SQS_MAX_VISIBILITY_SECONDS - elapsed_since_receive - 60)
+    ceiling = max(0.0, ceiling)
+    return (rng or random).uniform(ceiling / 2, ceiling)
+
+
+class Outcomes:
+    """SQS side of the worker's decisions (blocking calls; run them off the event loop).
+
+    Args:
+        client: boto3 SQS client.
+        directory: Queue URLs.
+        max_message_bytes: DLQ messages are kept within this size.
+    """
+
+    def __init__(self, client: Any, directory: QueueDirectory, *, max_message_bytes: int) -> None:
+        self.client = client
+        self.directory = directory
+        self.max_message_bytes = max_message_bytes
+
+    def ack(self, queue: str, receipt_handle: str) -> None:
+        """Delete the message (with a stale handle, SQS ignores it; the copy comes back
+        and is acknowledged then)."""
+        self.client.delete_message(QueueUrl=self.directory.url(queue), ReceiptHandle=receipt_handle)
+
+    def retry_after(self, queue: str, receipt_handle: str, seconds: float) -> None:
+        """Make the message visible again in ``seconds`` (whole seconds, SQS API)."""
+        self.client.change_message_visibility(
+            QueueUrl=self.directory.url(queue),
+            ReceiptHandle=receipt_handle,
+            VisibilityTimeout=round(seconds),
+        )
+
+    def give_back(self, queue: str, receipt_handle: str) -> None:
+        """Make the message visible again at once."""
+        self.retry_after(queue, receipt_handle, 0)
+
+    def dead_letter(
+        self,
+        queue: str,
+        receipt_handle: str,
+        body: str,
+        attributes: Mapping[str, Mapping[str, str]],
+        context: Mapping[str, str],
+    ) -> str:
+        """Send ``body`` to ``queue``'s DLQ with ``context`` attributes, then delete it.
+
+        The original attributes (run_id, task, tenant_id) are kept; the context
+        (reason, error_type, error_message, failed_at, receive_count, source_queue,
+        worker_id) is added, the error message truncated so the message stays within the
+        size limit. A body too large for the DLQ is replaced by a short JSON summary.
+
+        Returns:
+            The DLQ's URL.
+
+        Raises:
+            botocore.exceptions.ClientError and transport errors: nothing was deleted;
+            the message comes back and the permanent path is taken again.
+        """
+        dlq_url = self.directory.dlq_url(queue)
+        message_attributes: dict[str, dict[str, str]] = {}
+        for name in ("run_id", "task", "tenant_id"):
+            if name in attributes and "StringValue" in attributes[name]:
+                message_attributes[name] = {
+                    "DataType": attributes[name].get("DataType", "String"),
+                    "StringValue": attributes[name]["StringValue"][:256],
+                }
+        for key in _CONTEXT_KEYS:
+            if context.get(key):
+                message_attributes[key] = {"DataType": "String", "StringValue": str(context[key])}
+        message_attributes = dict(list(message_attributes.items())[:SQS_MAX_MESSAGE_ATTRIBUTES])
+        size = envelope.message_size_bytes(body, message_attributes)
+        if size > self.max_message_bytes and "error_message" in message_attributes:
+            text = message_attributes["error_message"]["StringValue"]
+            keep = max(0, len(text) - (size - self.max_message_bytes) - 16)
+            message_attributes["error_message"]["StringValue"] = text[:keep] + "…"
+            size = envelope.message_size_bytes(body, message_attributes)
+        if size > self.max_message_bytes:
+            body = envelope.encode_document(
+                {
+                    "sqla_outbox_dlq_summary": True,
+                    "reason": context.get("reason"),
+                    "original_size_bytes": len(body),
+                }
+            )
+        self.client.send_message(QueueUrl=dlq_url, MessageBody=body, MessageAttributes=message_attributes)
+        self.ack(queue, receipt_handle)
+        return dlq_url
+
+
+def utc_now_text() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")

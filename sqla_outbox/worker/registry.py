@@ -1,0 +1,205 @@
+"""Registering task handlers: the ``@task`` decorator and the registry behind it.
+
+::
+
+    from sqla_outbox.worker import task, TaskContext
+
+    @task("send_receipt", queue="critical", scope="tenant", timeout_seconds=30)
+    def send_receipt(payload: dict, ctx: TaskContext) -> None:
+        ...
+
+    @task("award_loyalty", queue="bulk", subscribes=["order.placed"],
+          permanent=(KeyError,), retry=RetryPolicy(backoff_base_seconds=10))
+    async def award_loyalty(payload: dict, ctx: TaskContext) -> None:
+        ...
+
+A handler takes the payload, or the payload and a :class:`~sqla_outbox.worker.context.
+TaskContext`. Sync handlers run on their own thread; ``async def`` handlers run on the
+worker's event loop. The registry also produces the catalog (``tasks.json``) that the
+API side reads: ``sqla-outbox catalog write``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from sqla_outbox import errors
+from sqla_outbox.catalog import Catalog, Scope, TaskSpec
+from sqla_outbox.types import QUEUE_NAMES
+
+DEFAULT_TIMEOUT_SECONDS: dict[str, float] = {
+    "critical": 30.0,
+    "default": 300.0,
+    "bulk": 1800.0,
+    "maintenance": 900.0,
+}
+"""Per-attempt timeout when a task sets none, by queue (seconds)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """How a task retries transient failures. None fields use the worker settings.
+
+    Attributes:
+        max_receives: A transient failure on this receive or later goes to the DLQ
+            (default ``worker_max_receives``, 5). Must stay below the queue's redrive
+            ``maxReceiveCount`` (7) so the runtime, not SQS, decides.
+        backoff_base_seconds: Delay after the first failure; doubles per receive, with
+            jitter (default ``worker_backoff_base_seconds``, 5 s).
+        backoff_max_seconds: Cap (default ``worker_backoff_max_seconds``, 900 s; SQS
+            allows at most 43,200 s of visibility).
+    """
+
+    max_receives: int | None = None
+    backoff_base_seconds: float | None = None
+    backoff_max_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_receives is not None and self.max_receives < 1:
+            raise errors.ConfigurationError("max_receives must be >= 1", option="RetryPolicy.max_receives")
+        for name in ("backoff_base_seconds", "backoff_max_seconds"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 43_200:
+                raise errors.ConfigurationError(
+                    f"{name} must be within 0..43200 s", option=f"RetryPolicy.{name}"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskDefinition:
+    """A registered handler and its options.
+
+    Attributes:
+        name: Task name. handler: The function. queue: Logical queue.
+        scope: ``tenant``, ``platform`` or ``any`` (checked by the API side).
+        timeout_seconds: Per-attempt limit (None: the queue default; 0: no limit).
+        retry: :class:`RetryPolicy`.
+        permanent: Exception types that mean "do not retry" besides
+            :class:`~sqla_outbox.errors.PermanentError`.
+        subscribes: Events this task receives.
+        schedule: ``{"cron": ...}`` or ``{"every_seconds": ...}`` for recurring runs.
+        is_async: The handler is a coroutine function.
+        takes_context: The handler takes ``(payload, ctx)`` rather than ``(payload)``.
+    """
+
+    name: str
+    handler: Callable[..., Any]
+    queue: str = "default"
+    scope: Scope = "any"
+    timeout_seconds: float | None = None
+    retry: RetryPolicy = RetryPolicy()
+    permanent: tuple[type[BaseException], ...] = ()
+    subscribes: tuple[str, ...] = ()
+    schedule: Mapping[str, Any] | None = None
+    description: str | None = None
+    is_async: bool = False
+    takes_context: bool = True
+
+    def effective_timeout(self) -> float | None:
+        """Seconds an attempt may run, or None for no limit."""
+        if self.timeout_seconds is None:
+            return DEFAULT_TIMEOUT_SECONDS[self.queue]
+        return None if self.timeout_seconds == 0 else self.timeout_seconds
+
+    def is_permanent(self, exc: BaseException) -> bool:
+        return isinstance(exc, errors.PermanentError) or isinstance(exc, self.permanent)
+
+    def spec(self) -> TaskSpec:
+        return TaskSpec(
+            name=self.name,
+            queue=self.queue,
+            scope=self.scope,
+            timeout_seconds=self.timeout_seconds if self.timeout_seconds else None,
+            schedule=self.schedule,
+            description=self.description,
+        )
+
+
+class Registry:
+    """Task name → :class:`TaskDefinition`. The module-level :data:`registry` is the default."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, TaskDefinition] = {}
+
+    def task(
+        self,
+        name: str,
+        *,
+        queue: str = "default",
+        scope: Scope = "any",
+        timeout_seconds: float | None = None,
+        retry: RetryPolicy | None = None,
+        permanent: Iterable[type[BaseException]] = (),
+        subscribes: Iterable[str] = (),
+        schedule: Mapping[str, Any] | None = None,
+        description: str | None = None,
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator registering a handler for ``name``.
+
+        Raises:
+            ConfigurationError: Unknown queue or scope, a bad timeout, or ``name``
+                already registered to another function.
+        """
+        if queue not in QUEUE_NAMES:
+            raise errors.ConfigurationError(
+                f"task {name!r}: unknown queue {queue!r}; expected one of {', '.join(QUEUE_NAMES)}",
+                option="@task(queue)",
+            )
+        if scope not in ("tenant", "platform", "any"):
+            raise errors.ConfigurationError(f"task {name!r}: unknown scope {scope!r}", option="@task(scope)")
+        if timeout_seconds is not None and timeout_seconds < 0:
+            raise errors.ConfigurationError(f"task {name!r}: timeout_seconds must be >= 0", option="@task")
+
+        def decorate(handler: Callable[..., Any]) -> Callable[..., Any]:
+            existing = self.tasks.get(name)
+            if existing is not None and existing.handler is not handler:
+                qualname = getattr(existing.handler, "__qualname__", existing.handler)
+                raise errors.ConfigurationError(
+                    f"task {name!r} is already registered to {qualname}", option="@task"
+                )
+            parameters = [
+                p
+                for p in inspect.signature(handler).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+            self.tasks[name] = TaskDefinition(
+                name=name,
+                handler=handler,
+                queue=queue,
+                scope=scope,
+                timeout_seconds=timeout_seconds,
+                retry=retry or RetryPolicy(),
+                permanent=tuple(permanent),
+                subscribes=tuple(subscribes),
+                schedule=dict(schedule) if schedule else None,
+                description=description or (inspect.getdoc(handler) or "").split("\n")[0] or None,
+                is_async=inspect.iscoroutinefunction(handler),
+                takes_context=len(parameters) >= 2,
+            )
+            return handler
+
+        return decorate
+
+    def get(self, name: str) -> TaskDefinition:
+        """Raises :class:`~sqla_outbox.errors.HandlerNotFound` for unknown names."""
+        try:
+            return self.tasks[name]
+        except KeyError:
+            raise errors.HandlerNotFound(name) from None
+
+    def catalog(self) -> Catalog:
+        """The catalog these registrations describe (events from ``subscribes``)."""
+        events: dict[str, list[str]] = {}
+        for definition in sorted(self.tasks.values(), key=lambda d: d.name):
+            for event in definition.subscribes:
+                events.setdefault(event, []).append(definition.name)
+        return Catalog.build([d.spec() for d in self.tasks.values()], events)
+
+
+registry = Registry()
+"""The default registry that :func:`task` registers into."""
+
+task = registry.task

@@ -1,0 +1,302 @@
+"""Run state in PostgreSQL: take the lease, finish, retry, fail, return; each with its trail row.
+
+Every transition is one statement (a data-modifying CTE that updates ``task_runs`` and
+inserts the ``task_run_trail`` row) guarded by ``status = 'running' AND attempts =
+:attempt``: only the attempt that holds the lease can change the run. A guard that
+matches nothing means the attempt lost the run (its lease expired and another worker
+took over, or a timeout/shutdown already recorded a verdict); the caller then reads the
+current status and reconciles instead of overwriting it.
+
+Lease: taking a run sets ``lease_owner`` and ``lease_expires_at = now + lease``; the
+heartbeat renews it. Another worker may take a ``running`` run only once the lease has
+expired, so two copies of one message never run the handler at the same time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import enum
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Float, Integer, Text, bindparam, text
+from sqlalchemy.dialects.postgresql import ARRAY, UUID
+from sqlalchemy.engine import Connection
+
+TRACEBACK_CHARS = 4000
+MESSAGE_CHARS = 2000
+
+
+class ClaimStatus(enum.Enum):
+    """Result of trying to take a run's lease."""
+
+    CLAIMED = "claimed"
+    NOT_FOUND = "not_found"  # no such run: a foreign or forged message
+    MISMATCH = "mismatch"  # the run exists but the envelope names another task/tenant
+    SUCCEEDED = "succeeded"  # finished: acknowledge the copy
+    FAILED = "failed"  # finished: complete the DLQ path if it was not completed
+    LEASED = "leased"  # another worker holds a live lease
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """Outcome of :func:`take_lease`.
+
+    Attributes:
+        status: See :class:`ClaimStatus`.
+        attempt: The attempt number taken (CLAIMED only).
+        lease_remaining_seconds: For LEASED: seconds until the other lease expires.
+        dead_lettered: For FAILED: whether the DLQ send was already recorded.
+        previous_status: Status before the claim (for the log).
+    """
+
+    status: ClaimStatus
+    attempt: int = 0
+    lease_remaining_seconds: float = 0.0
+    dead_lettered: bool = False
+    previous_status: str | None = None
+
+
+_TAKE = text(
+    """
+WITH prev AS (
+    SELECT run_id, task, tenant_id, status, attempts, dead_lettered_at,
+           EXTRACT(EPOCH FROM (lease_expires_at - clock_timestamp()))::float8 AS lease_left
+    FROM task_runs WHERE run_id = :run_id FOR UPDATE
+),
+claimed AS (
+    UPDATE task_runs AS t
+    SET status = 'running', attempts = t.attempts + 1, lease_owner = :worker,
+        lease_expires_at = clock_timestamp() + make_interval(secs => :lease_seconds),
+        started_at = clock_timestamp(), updated_at = clock_timestamp()
+    FROM prev
+    WHERE t.run_id = prev.run_id AND prev.task = :task
+      AND prev.tenant_id IS NOT DISTINCT FROM :tenant_id
+      AND (prev.status IN ('queued', 'retrying')
+           OR (prev.status = 'running' AND (prev.lease_left IS NULL OR prev.lease_left <= 0)))
+    RETURNING t.attempts
+),
+trail AS (
+    INSERT INTO task_run_trail (run_id, status, attempt, receive_count, worker_id, detail)
+    SELECT :run_id, 'running', claimed.attempts, :receive_count, :worker,
+           jsonb_build_object('from', prev.status)
+    FROM claimed, prev
+)
+SELECT prev.task, prev.tenant_id, prev.status, prev.lease_left, prev.dead_lettered_at,
+       claimed.attempts AS claimed_attempt
+FROM prev LEFT JOIN claimed ON true
+"""
+).bindparams(bindparam("run_id", type_=UUID(as_uuid=True)), bindparam("lease_seconds", type_=Float))
+
+
+def take_lease(
+    connection: Connection,
+    *,
+    run_id: uuid.UUID,
+    task: str,
+    tenant_id: int | None,
+    worker_id: str,
+    lease_seconds: float,
+    receive_count: int,
+) -> Claim:
+    """Take the run's lease for a new attempt if nobody holds a live one.
+
+    The envelope's task and tenant must match the run (a forged message naming a real
+    run_id with another task is refused as MISMATCH). Commits nothing: the caller does.
+    """
+    row = connection.execute(
+        _TAKE,
+        {
+            "run_id": run_id,
+            "task": task,
+            "tenant_id": tenant_id,
+            "worker": worker_id,
+            "lease_seconds": lease_seconds,
+            "receive_count": receive_count,
+        },
+    ).one_or_none()
+    if row is None:
+        return Claim(ClaimStatus.NOT_FOUND)
+    if row.claimed_attempt is not None:
+        return Claim(ClaimStatus.CLAIMED, attempt=row.claimed_attempt, previous_status=row.status)
+    if row.task != task or row.tenant_id != tenant_id:
+        return Claim(ClaimStatus.MISMATCH, previous_status=row.status)
+    if row.status == "succeeded":
+        return Claim(ClaimStatus.SUCCEEDED, previous_status=row.status)
+    if row.status == "failed":
+        return Claim(
+            ClaimStatus.FAILED, dead_lettered=row.dead_lettered_at is not None, previous_status=row.status
+        )
+    return Claim(
+        ClaimStatus.LEASED,
+        lease_remaining_seconds=max(float(row.lease_left or 0), 0.0),
+        previous_status=row.status,
+    )
+
+
+def _transition(new_status: str, extra_set: str) -> Any:
+    return text(
+        f"""
+WITH moved AS (
+    UPDATE task_runs
+    SET status = '{new_status}', updated_at = clock_timestamp(), lease_owner = NULL,
+        lease_expires_at = NULL{extra_set}
+    WHERE run_id = :run_id AND status = 'running' AND attempts = :attempt
+    RETURNING run_id
+)
+INSERT INTO task_run_trail (run_id, status, attempt, receive_count, worker_id, error_type,
+                            error_message, traceback, detail)
+SELECT run_id, '{new_status}', :attempt, :receive_count, :worker, :error_type, :error_message,
+       :traceback, CAST(:detail AS jsonb)
+FROM moved
+RETURNING 1
+"""
+    ).bindparams(
+        bindparam("run_id", type_=UUID(as_uuid=True)),
+        bindparam("attempt", type_=Integer),
+        bindparam("error_type", type_=Text),
+        bindparam("error_message", type_=Text),
+        bindparam("traceback", type_=Text),
+        bindparam("detail", type_=Text),
+    )
+
+
+_ERROR_SET = ", last_error_type = :error_type, last_error = :error_message"
+_SUCCEED = _transition("succeeded", ", finished_at = clock_timestamp()")
+_RETRY = _transition("retrying", _ERROR_SET)
+_FAIL = _transition("failed", ", finished_at = clock_timestamp()" + _ERROR_SET)
+_REQUEUE = _transition("queued", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """Identifies the attempt making a transition (and what the trail records about it)."""
+
+    run_id: uuid.UUID
+    attempt: int
+    receive_count: int
+    worker_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """An error as the trail stores it."""
+
+    error_type: str
+    message: str
+    traceback: str | None = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, traceback: str | None = None) -> Failure:
+        return cls(
+            error_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+            message=str(exc)[:MESSAGE_CHARS],
+            traceback=traceback[-TRACEBACK_CHARS:] if traceback else None,
+        )
+
+
+def _params(attempt: Attempt, failure: Failure | None, detail: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "run_id": attempt.run_id,
+        "attempt": attempt.attempt,
+        "receive_count": attempt.receive_count,
+        "worker": attempt.worker_id,
+        "error_type": failure.error_type if failure else None,
+        "error_message": failure.message if failure else None,
+        "traceback": failure.traceback if failure else None,
+        "detail": json.dumps(detail) if detail else None,
+    }
+
+
+def mark_succeeded(connection: Connection, attempt: Attempt) -> bool:
+    """``running → succeeded``. Run it in the handler's transaction; False = lease lost."""
+    return connection.execute(_SUCCEED, _params(attempt, None, None)).first() is not None
+
+
+def mark_retrying(
+    connection: Connection, attempt: Attempt, failure: Failure, *, backoff_seconds: float
+) -> bool:
+    """``running → retrying`` with the error; False when the attempt no longer holds the run."""
+    detail = {"backoff_seconds": round(backoff_seconds, 3)}
+    return connection.execute(_RETRY, _params(attempt, failure, detail)).first() is not None
+
+
+def mark_failed(connection: Connection, attempt: Attempt, failure: Failure, *, reason: str) -> bool:
+    """``running → failed`` (the permanent path); False when the attempt lost the run."""
+    return connection.execute(_FAIL, _params(attempt, failure, {"reason": reason})).first() is not None
+
+
+def mark_requeued(connection: Connection, attempt: Attempt, *, reason: str) -> bool:
+    """``running → queued`` (message returned on shutdown)."""
+    return connection.execute(_REQUEUE, _params(attempt, None, {"reason": reason})).first() is not None
+
+
+_DEAD_LETTERED = text(
+    """
+WITH marked AS (
+    UPDATE task_runs SET dead_lettered_at = clock_timestamp(), updated_at = clock_timestamp()
+    WHERE run_id = :run_id AND dead_lettered_at IS NULL RETURNING run_id
+)
+INSERT INTO task_run_trail (run_id, status, receive_count, worker_id, detail)
+SELECT run_id, 'failed', :receive_count, :worker,
+       jsonb_build_object('dead_lettered', true, 'dlq', CAST(:dlq AS text))
+FROM marked
+"""
+).bindparams(bindparam("run_id", type_=UUID(as_uuid=True)))
+
+
+def mark_dead_lettered(
+    connection: Connection, run_id: uuid.UUID, *, receive_count: int, worker_id: str, dlq: str
+) -> None:
+    """Record that the run's message is in the DLQ (completes the permanent path)."""
+    connection.execute(
+        _DEAD_LETTERED, {"run_id": run_id, "receive_count": receive_count, "worker": worker_id, "dlq": dlq}
+    )
+
+
+_STATUS = text("SELECT status FROM task_runs WHERE run_id = :run_id").bindparams(
+    bindparam("run_id", type_=UUID(as_uuid=True))
+)
+
+
+def current_status(connection: Connection, run_id: uuid.UUID) -> str | None:
+    """The run's status now, or None if it does not exist."""
+    value = connection.execute(_STATUS, {"run_id": run_id}).scalar()
+    return None if value is None else str(value)
+
+
+_RENEW = text(
+    """
+UPDATE task_runs AS t
+SET lease_expires_at = clock_timestamp() + make_interval(secs => :lease_seconds)
+FROM unnest(CAST(:run_ids AS uuid[]), CAST(:attempts AS integer[])) AS held(run_id, attempt)
+WHERE t.run_id = held.run_id AND t.attempts = held.attempt AND t.status = 'running'
+RETURNING t.run_id
+"""
+).bindparams(
+    bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True))),
+    bindparam("attempts", type_=ARRAY(Integer)),
+    bindparam("lease_seconds", type_=Float),
+)
+
+
+def renew_leases(
+    connection: Connection, held: Sequence[tuple[uuid.UUID, int]], *, lease_seconds: float
+) -> set[uuid.UUID]:
+    """Extend the leases of ``(run_id, attempt)`` pairs; return the runs still held."""
+    if not held:
+        return set()
+    rows = connection.execute(
+        _RENEW,
+        {"run_ids": [r for r, _ in held], "attempts": [a for _, a in held], "lease_seconds": lease_seconds},
+    )
+    return {row[0] for row in rows}
+
+
+def now(connection: Connection) -> dt.datetime:
+    """The database clock."""
+    value: dt.datetime = connection.execute(text("SELECT clock_timestamp()")).scalar_one()
+    return value

@@ -1,0 +1,134 @@
+"""The command line as users run it: catalog, provisioning, --check, the HTTP probe."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from sqla_outbox import Dispatch
+from sqla_outbox.config import OutboxSettings
+from tests.support import free_port, service_env, start_worker, status_of, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sqla_outbox", *args], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def test_catalog_write_and_check(tmp_path: Path) -> None:
+    path = tmp_path / "tasks.json"
+    written = cli("catalog", "write", "--imports", "tests.e2e.worker_tasks", "--output", str(path))
+    assert written.returncode == 0, written.stderr
+    document = json.loads(path.read_text())
+    assert document["tasks"]["charge_card"] == {
+        "queue": "critical",
+        "scope": "tenant",
+        "timeout_seconds": 1.5,
+    }
+    assert document["events"] == {"user.created": {"subscribers": ["index_user"]}}
+    fresh = cli("catalog", "write", "--check", "--imports", "tests.e2e.worker_tasks", "--output", str(path))
+    assert fresh.returncode == 0 and "up to date" in fresh.stdout
+    document["tasks"]["audit"]["queue"] = "bulk"
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    stale = cli("catalog", "write", "--check", "--imports", "tests.e2e.worker_tasks", "--output", str(path))
+    assert stale.returncode == 1
+    assert "is stale" in stale.stderr
+    assert '-      "queue": "bulk"' in stale.stdout
+
+
+def test_catalog_write_without_tasks_is_a_configuration_error(tmp_path: Path) -> None:
+    result = cli("catalog", "write", "--imports", "json", "--output", str(tmp_path / "t.json"))
+    assert result.returncode == 2
+    assert "no tasks registered" in result.stderr
+
+
+def test_unknown_import_is_reported_with_exit_code_2(settings: OutboxSettings, sqs_endpoint: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sqla_outbox.worker", "--imports", "no.such.module"],
+        capture_output=True,
+        text=True,
+        env=service_env(settings, sqs_endpoint),
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "cannot import task module 'no.such.module'" in result.stderr
+
+
+def test_provision_is_idempotent_and_reports_drift(settings: OutboxSettings, sqs_endpoint: str) -> None:
+    env = service_env(settings, sqs_endpoint)
+    first = cli("provision", "--json", env=env)
+    assert first.returncode == 0, first.stderr
+    assert {r["action"] for r in json.loads(first.stdout)} == {"created"}
+    again = cli("provision", "--json", env=env)
+    assert {r["action"] for r in json.loads(again.stdout)} == {"unchanged"}
+    drift = cli("provision", "--json", "--max-receive-count", "4", env=env)
+    assert drift.returncode == 1
+    drifted = [r for r in json.loads(drift.stdout) if r["action"] == "drift"]
+    assert len(drifted) == 4 and all("RedrivePolicy" in r["differences"] for r in drifted)
+    fixed = cli("provision", "--json", "--max-receive-count", "4", "--fix", env=env)
+    assert fixed.returncode == 0
+    assert {r["action"] for r in json.loads(fixed.stdout)} == {"unchanged", "updated"}
+    human = cli("provision", "--max-receive-count", "4", env=env)
+    assert "unchanged" in human.stdout and "SQS queues" in human.stdout
+
+
+def test_check_reports_each_service(
+    settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]
+) -> None:
+    ok = cli("relay", "--check", "--json", env=service_env(settings, sqs_endpoint))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert [c["service"] for c in json.loads(ok.stdout)["checks"]] == ["postgresql", "valkey", "sqs"]
+    broken = service_env(settings, sqs_endpoint, SQLA_OUTBOX_QUEUE_PREFIX="nothing-here-")
+    bad = cli("relay", "--check", "--json", env=broken)
+    assert bad.returncode == 3
+    assert not json.loads(bad.stdout)["ok"]
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_probe_liveness_readiness_and_metrics(
+    app: sessionmaker[Session], engine: sa.Engine, settings: OutboxSettings, sqs_endpoint: str, queues: Any
+) -> None:
+    port = free_port()
+    worker = start_worker(
+        settings,
+        sqs_endpoint,
+        SQLA_OUTBOX_HEALTH_PORT=str(port),
+        SQLA_OUTBOX_WORKER_RUN_RELAY="true",
+        SQLA_OUTBOX_WORKER_STOP_BUDGET_SECONDS="3",
+    )
+    try:
+        worker.wait_for_action("worker.started")
+        base = f"http://127.0.0.1:{port}"
+        assert get(base + "/livez")[0] == 200
+        assert get(base + "/readyz")[0] == 200
+        with app() as session, session.begin():
+            item = Dispatch("audit", {"mode": "sleep", "seconds": 20})
+            session.add(item)
+        wait_for(lambda: status_of(engine, item.run_id) == "running", timeout=20)
+        status, text = get(base + "/metrics")
+        assert status == 200
+        assert "sqla_outbox_worker_in_flight" in text and "sqla_outbox_relay_leader 1.0" in text
+        worker.process.send_signal(__import__("signal").SIGTERM)
+        wait_for(lambda: get(base + "/readyz")[0] == 503, timeout=5)  # not ready while draining
+        assert worker.process.wait(30) == 0
+    finally:
+        worker.kill()

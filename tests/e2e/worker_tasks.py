@@ -1,0 +1,109 @@
+"""Handlers the e2e tests run in real worker processes; payload["mode"] picks a behaviour.
+
+Every successful attempt writes one ``effects`` row through the handler's session, so a
+test can count how many times a run's effects were committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import sqlalchemy as sa
+
+from sqla_outbox import Dispatch, errors
+from sqla_outbox.worker import RetryPolicy, TaskContext, task
+
+INSERT = sa.text(
+    "INSERT INTO effects (run_id, task, attempt, worker, note) "
+    "VALUES (:run_id, :task, :attempt, :worker, :note)"
+)
+
+
+def record(ctx: TaskContext, note: str = "") -> None:
+    ctx.session.execute(
+        INSERT,
+        {
+            "run_id": ctx.run_id,
+            "task": ctx.task,
+            "attempt": ctx.attempt,
+            "worker": str(os.getpid()),
+            "note": note,
+        },
+    )
+
+
+def behave(payload: dict[str, Any], ctx: TaskContext) -> None:
+    mode = payload.get("mode", "ok")
+    if mode == "fail_times" and ctx.attempt <= payload["times"]:
+        raise ConnectionError(f"flaky dependency (attempt {ctx.attempt})")
+    if mode == "always_fail":
+        raise RuntimeError("this never works")
+    if mode == "permanent":
+        raise errors.ValidationFailed("order 7 has no lines")
+    if mode == "keyerror":
+        raise KeyError("missing-sku")
+    if mode == "retry_in":
+        if ctx.attempt == 1:
+            raise errors.Retry(payload["seconds"])
+    if mode == "own_timeout_error":
+        raise TimeoutError("the handler's own HTTP call timed out")
+    if mode == "sleep":
+        if ctx.attempt <= payload.get("attempts", 99):
+            deadline = time.monotonic() + payload["seconds"]
+            while time.monotonic() < deadline and not ctx.cancelled:
+                time.sleep(0.05)
+            if ctx.cancelled:
+                return
+    if mode == "sleep_ignoring_cancel" and ctx.attempt == 1:
+        time.sleep(payload["seconds"])
+    if mode == "followup":
+        ctx.session.add(Dispatch("send_welcome", {"mode": "ok", "from": str(ctx.run_id)}))
+    record(ctx, note=mode)
+
+
+@task("audit", queue="default", timeout_seconds=60)
+def audit(payload: dict[str, Any], ctx: TaskContext) -> None:
+    behave(payload, ctx)
+
+
+@task("send_welcome", queue="default")
+def send_welcome(payload: dict[str, Any], ctx: TaskContext) -> None:
+    behave(payload, ctx)
+
+
+@task(
+    "charge_card",
+    queue="critical",
+    scope="tenant",
+    timeout_seconds=1.5,
+    permanent=(KeyError,),
+    retry=RetryPolicy(backoff_base_seconds=0.5, backoff_max_seconds=1),
+)
+def charge_card(payload: dict[str, Any], ctx: TaskContext) -> None:
+    behave(payload, ctx)
+
+
+@task("index_user", queue="bulk", subscribes=["user.created"])
+async def index_user(payload: dict[str, Any], ctx: TaskContext) -> None:
+    if payload.get("mode") == "sleep":
+        await asyncio.sleep(payload["seconds"])
+    if payload.get("mode") == "fail_times" and ctx.attempt <= payload["times"]:
+        raise ConnectionError("search cluster busy")
+    await ctx.session.execute(
+        INSERT,
+        {
+            "run_id": ctx.run_id,
+            "task": ctx.task,
+            "attempt": ctx.attempt,
+            "worker": str(os.getpid()),
+            "note": "async",
+        },
+    )
+
+
+@task("rebuild_cache", queue="maintenance", scope="platform")
+def rebuild_cache(payload: dict[str, Any], ctx: TaskContext) -> None:
+    behave(payload, ctx)

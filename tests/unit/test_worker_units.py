@@ -1,0 +1,117 @@
+"""Pure worker logic: slot sharing between queues, backoff bounds, task registration."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from sqla_outbox import errors
+from sqla_outbox.worker.outcome import backoff_seconds
+from sqla_outbox.worker.receive import SlotPool
+from sqla_outbox.worker.registry import Registry, RetryPolicy
+
+
+def test_slots_never_exceed_capacity_and_critical_is_served_first_without_starving_others() -> None:
+    """Four backed-up queues, two slots: receivers wait while handlers hold the slots."""
+
+    async def scenario() -> list[str]:
+        pool = SlotPool(2)
+        grants: list[str] = []
+        held: list[asyncio.Task[None]] = []
+        peak = 0
+
+        async def handler(count: int) -> None:
+            nonlocal peak
+            peak = max(peak, pool.busy)
+            await asyncio.sleep(0.001)
+            pool.release(count)
+
+        async def receiver(queue: str) -> None:
+            while len(grants) < 150:
+                got = await pool.acquire(queue, 1)
+                grants.append(queue)
+                held.append(asyncio.create_task(handler(got)))
+
+        tasks = [asyncio.create_task(receiver(q)) for q in ("bulk", "critical", "default", "maintenance")]
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        assert peak <= 2
+        return grants
+
+    grants = asyncio.run(scenario())
+    counts = {q: grants.count(q) for q in ("critical", "default", "bulk", "maintenance")}
+    assert counts["critical"] > counts["default"] > counts["bulk"] > counts["maintenance"] >= 5, counts
+    assert counts["critical"] >= 0.4 * len(grants)  # about 8 of every 15
+
+
+def test_acquire_grants_at_most_what_is_free() -> None:
+    async def scenario() -> tuple[int, int]:
+        pool = SlotPool(3)
+        first = await pool.acquire("default", 10)
+        return first, pool.free
+
+    assert asyncio.run(scenario()) == (3, 0)
+
+
+def test_cancelled_waiter_gives_its_grant_back() -> None:
+    async def scenario() -> int:
+        pool = SlotPool(1)
+        await pool.acquire("default", 1)
+        waiter = asyncio.ensure_future(pool.acquire("critical", 1))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        pool.release(1)
+        return pool.free
+
+    assert asyncio.run(scenario()) == 1
+
+
+@pytest.mark.parametrize("receive_count", [1, 2, 3, 4, 5, 30])
+def test_backoff_is_exponential_jittered_and_capped(receive_count: int) -> None:
+    rng = random.Random(7)
+    for _ in range(50):
+        value = backoff_seconds(receive_count, base=5, cap=900, rng=rng)
+        ceiling = min(900, 5 * 2 ** (receive_count - 1))
+        assert ceiling / 2 <= value <= ceiling
+
+
+def test_backoff_stays_inside_the_sqs_12_hour_visibility_limit() -> None:
+    value = backoff_seconds(20, base=60, cap=43_200, elapsed_since_receive=43_000, rng=random.Random(1))
+    assert value <= 43_200 - 43_000 - 60 or value == 0
+
+
+def test_registry_builds_the_catalog_from_decorators() -> None:
+    registry = Registry()
+
+    @registry.task("send", queue="critical", scope="tenant", subscribes=["order.placed"], timeout_seconds=10)
+    def send(payload: dict) -> None: ...
+
+    @registry.task("stock", subscribes=["order.placed"])
+    async def stock(payload: dict, ctx: object) -> None: ...
+
+    catalog = registry.catalog()
+    assert catalog.task("send").queue == "critical"
+    assert catalog.task("send").timeout_seconds == 10
+    assert catalog.subscribers("order.placed") == ("send", "stock")
+    assert registry.get("stock").is_async and registry.get("stock").takes_context
+    assert not registry.get("send").takes_context
+    with pytest.raises(errors.HandlerNotFound):
+        registry.get("ghost")
+
+
+def test_registry_refuses_bad_options() -> None:
+    registry = Registry()
+    with pytest.raises(errors.ConfigurationError, match="unknown queue"):
+        registry.task("x", queue="urgent")
+    with pytest.raises(errors.ConfigurationError):
+        RetryPolicy(max_receives=0)
+
+    @registry.task("x")
+    def one(payload: dict) -> None: ...
+
+    with pytest.raises(errors.ConfigurationError, match="already registered"):
+
+        @registry.task("x")
+        def two(payload: dict) -> None: ...
