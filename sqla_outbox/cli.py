@@ -381,3 +381,7 @@ def main_worker() -> None:
 def main_relay() -> None:
     """``python -m sqla_outbox.relay`` / ``sqla-outbox-relay``."""
     relay_command.main(args=sys.argv[1:], prog_name="python -m sqla_outbox.relay")
+
+
+# Command modules that attach to ``main`` (imported last: they import ``main`` from here).
+from sqla_outbox.ops import cli as _ops_cli  # noqa: E402,F401

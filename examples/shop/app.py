@@ -33,8 +33,8 @@ def place_order(
     order = Order(tenant_id=tenant_id, product_id=product_id, quantity=quantity, email=email)
     session.add(order)
     session.flush()  # assigns order.id
-    facts = {"order_id": order.id, "sku": product.sku, "quantity": quantity}
-    session.add(Dispatch("send_receipt", {**facts, "email": email}, tenant_id=tenant_id))
+    facts = {"order_id": order.id, "sku": product.sku, "quantity": quantity, "email": email}
+    session.add(Dispatch("send_receipt", facts, tenant_id=tenant_id))
     session.add(Publish("order.placed", facts, tenant_id=tenant_id))
     session.add(Dispatch("ask_for_review", {"order_id": order.id}, tenant_id=tenant_id, delay=review_delay))
     return order

@@ -1,0 +1,1 @@
+"""Operations: what an on-call engineer runs (``sqla-outbox status|runs|dlq|purge``)."""
