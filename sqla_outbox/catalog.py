@@ -207,6 +207,16 @@ class Catalog:
                     )
             events[event] = tuple(spec["subscribers"])
         for name, task in tasks.items():
+            if (
+                task.schedule is not None
+                and "cron" in task.schedule
+                and not _valid_cron(task.schedule["cron"])
+            ):
+                raise errors.CatalogError(
+                    f"{task.schedule['cron']!r} is not a five-field cron expression",
+                    path=source,
+                    pointer=f"tasks.{name}.schedule.cron",
+                )
             if task.schedule is not None and task.scope == "tenant":
                 raise errors.CatalogError(
                     "a scheduled task runs without a tenant; its scope cannot be 'tenant'",
@@ -261,6 +271,12 @@ class Catalog:
     def to_json(self) -> str:
         """The catalog document as stable, diff-friendly JSON text (trailing newline)."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
+
+def _valid_cron(expression: str) -> bool:
+    from croniter import croniter  # type: ignore[import-untyped]
+
+    return len(expression.split()) == 5 and bool(croniter.is_valid(expression))
 
 
 def _pointer(path: Iterable[Any]) -> str:

@@ -18,7 +18,9 @@ Between passes the relay waits for whichever comes first:
 * the earliest future ``available_at`` it knows of (database clock), so delayed runs go
   out on time rather than at the next sweep;
 * the sweep interval (``relay_sweep_interval_seconds``), the guarantee when wakes are lost;
-* none at all when the last pass was full: a backlog drains at the queue's speed.
+* none at all when the last pass was full: a backlog drains at the queue's speed;
+* the next slot of a scheduled task (:mod:`sqla_outbox.relay.schedule`), which the active
+  relay dispatches itself.
 
 Stopping (:meth:`Relay.stop`, SIGTERM/SIGINT in the CLI) lets the pass in progress finish
 and commit, releases the lock and returns. Losing the database ends leadership; the relay
@@ -33,15 +35,17 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from pathlib import Path
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from sqla_outbox import metrics
+from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
 from sqla_outbox.relay import claim
+from sqla_outbox.relay.schedule import Scheduler
 from sqla_outbox.relay.send import Sender, SendResult
 from sqla_outbox.wakeup import WakeListener
 
@@ -75,6 +79,18 @@ class RelayCounters:
     leader_terms: int = 0
 
 
+def _make_scheduler(settings: OutboxSettings, catalog: Catalog | None) -> Scheduler | None:
+    if not settings.relay_scheduler:
+        return None
+    if catalog is None:
+        path = Path(settings.catalog_path)
+        if not path.exists():
+            return None
+        catalog = Catalog.load(path)
+    scheduler = Scheduler(catalog, max_message_bytes=settings.max_message_bytes)
+    return scheduler if scheduler.tasks else None
+
+
 def make_engine(settings: OutboxSettings, *, pool_size: int = 2) -> Engine:
     """Engine for relay/worker bookkeeping: pre-ping, and TCP keepalives so a vanished
     peer is noticed within about 25 s."""
@@ -102,6 +118,8 @@ class Relay:
             client from :func:`sqla_outbox.sqs.client.make_client`.
         engine: SQLAlchemy engine; default from ``settings.database_url``.
         name: Identifies this relay in logs (default ``<host>:<pid>``).
+        catalog: Where scheduled tasks are declared (default: the file at
+            ``catalog_path`` if it exists). Ignored when ``relay_scheduler`` is off.
     """
 
     def __init__(
@@ -111,6 +129,7 @@ class Relay:
         sender: Sender | None = None,
         engine: Engine | None = None,
         name: str | None = None,
+        catalog: Catalog | None = None,
     ) -> None:
         self.settings = settings
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -123,7 +142,8 @@ class Relay:
         self._wake = threading.Event()
         self._stats_due = 0.0
         self._thread: threading.Thread | None = None
-        self.hooks: list[Any] = []  # callables run each leader loop iteration (scheduler)
+        self.scheduler = _make_scheduler(settings, catalog)
+        self._next_slot_at: float | None = None
 
     # --- public control ------------------------------------------------------------------
     @property
@@ -248,8 +268,10 @@ class Relay:
                 if self._stop.is_set():
                     break
                 result = self.pass_once(connection)
-                for hook in self.hooks:
-                    hook(self)
+                if self.scheduler is not None and self._slot_due():
+                    if self.scheduler.tick(connection):
+                        self._wake.set()
+                    self._plan_next_slot(connection)
                 if result.full:
                     self._wake.set()
         finally:
@@ -268,8 +290,20 @@ class Relay:
         if due is not None:
             # rows due now but not claimable (locked elsewhere): look again shortly
             timeout = min(timeout, max(due, 0.02))
+        if self._next_slot_at is not None:
+            timeout = min(timeout, max(self._next_slot_at - time.monotonic(), 0.0))
         self._wake.wait(timeout)
         self._wake.clear()
+
+    def _slot_due(self) -> bool:
+        return self._next_slot_at is None or time.monotonic() >= self._next_slot_at
+
+    def _plan_next_slot(self, connection: Connection) -> None:
+        assert self.scheduler is not None
+        now = connection.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
+        connection.commit()
+        wait = self.scheduler.seconds_until_next(now)
+        self._next_slot_at = None if wait is None else time.monotonic() + wait
 
     def pass_once(self, connection: Connection) -> PassResult:
         """Claim, send and mark one batch per table in one transaction."""

@@ -236,3 +236,38 @@ def test_two_relays_never_both_send_and_the_standby_takes_over(
     finally:
         first.kill()
         assert second.terminate() == 0
+
+
+def test_relay_exposes_its_metrics(
+    app: sessionmaker[Session],
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    queues: dict[str, str],
+    engine: sa.Engine,
+) -> None:
+    import urllib.request
+
+    port = support.free_port()
+    with app() as session, session.begin():
+        session.add(Dispatch("audit", {}, delay=dt.timedelta(hours=1)))  # pending, not due
+    relay = start_relay(settings, sqs_endpoint, SQLA_OUTBOX_HEALTH_PORT=str(port))
+    try:
+        relay.wait_for_action("relay.leader")
+        with app() as session, session.begin():
+            session.add_all([Dispatch("audit", {"n": n}) for n in range(3)])
+        wait_for(lambda: len(sent_run_ids(engine)) == 3, timeout=20)
+
+        def metrics() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                return response.read().decode()
+
+        text = wait_for(
+            lambda: (m := metrics()) and 'relay_pending_rows{queue="default"' in m and m, timeout=15
+        )
+        assert "sqla_outbox_relay_leader 1.0" in text
+        assert 'sqla_outbox_relay_messages_sent_total{queue="default"} 3.0' in text
+        assert 'sqla_outbox_relay_pending_rows{queue="default",table="platform_outbox_messages"} 1.0' in text
+        assert "sqla_outbox_relay_batch_size_bucket" in text
+        assert "sqla_outbox_relay_oldest_pending_age_seconds" in text
+    finally:
+        assert relay.terminate() == 0

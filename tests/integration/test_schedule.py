@@ -1,0 +1,107 @@
+"""Recurring runs: one dispatch per slot, deterministic run ids, latest-slot-only catch-up."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_outbox import errors
+from sqla_outbox.catalog import Catalog
+from sqla_outbox.config import OutboxSettings
+from sqla_outbox.relay import Relay
+from sqla_outbox.relay.schedule import Scheduler, latest_slot, next_slot, slot_run_id
+from tests.support import CATALOG, outbox_rows, runs
+
+UTC = dt.UTC
+
+
+def scheduled_catalog(schedule: dict) -> Catalog:
+    doc = json.loads(json.dumps(CATALOG))
+    doc["tasks"]["rebuild_cache"]["schedule"] = schedule
+    return Catalog.from_dict(doc)
+
+
+def test_cron_slots_are_evaluated_in_utc() -> None:
+    now = dt.datetime(2026, 11, 29, 10, 0, tzinfo=UTC)
+    assert latest_slot({"cron": "17 3 * * *"}, now) == dt.datetime(2026, 11, 29, 3, 17, tzinfo=UTC)
+    assert next_slot({"cron": "17 3 * * *"}, now) == dt.datetime(2026, 11, 30, 3, 17, tzinfo=UTC)
+    exact = dt.datetime(2026, 11, 29, 3, 17, tzinfo=UTC)
+    assert latest_slot({"cron": "17 3 * * *"}, exact) == exact
+    sao_paulo = now.astimezone(dt.timezone(dt.timedelta(hours=-3)))
+    assert latest_slot({"cron": "17 3 * * *"}, sao_paulo) == dt.datetime(2026, 11, 29, 3, 17, tzinfo=UTC)
+
+
+def test_interval_slots_are_epoch_multiples() -> None:
+    now = dt.datetime(2026, 11, 29, 10, 7, 31, tzinfo=UTC)
+    assert latest_slot({"every_seconds": 300}, now) == dt.datetime(2026, 11, 29, 10, 5, tzinfo=UTC)
+    assert next_slot({"every_seconds": 300}, now) == dt.datetime(2026, 11, 29, 10, 10, tzinfo=UTC)
+
+
+def test_after_downtime_only_the_latest_missed_slot_counts() -> None:
+    """Hourly task, relay down from 01:30 to 05:10: one run, for the 05:00 slot."""
+    back = dt.datetime(2026, 11, 29, 5, 10, tzinfo=UTC)
+    assert latest_slot({"cron": "0 * * * *"}, back) == dt.datetime(2026, 11, 29, 5, 0, tzinfo=UTC)
+
+
+def test_run_ids_are_derived_from_task_and_slot() -> None:
+    slot = dt.datetime(2026, 11, 29, 3, 17, tzinfo=UTC)
+    assert slot_run_id("nightly", slot) == slot_run_id("nightly", slot.astimezone(dt.timezone.max))
+    assert slot_run_id("nightly", slot) != slot_run_id("nightly", slot + dt.timedelta(days=1))
+    assert slot_run_id("nightly", slot) != slot_run_id("weekly", slot)
+
+
+def test_bad_cron_expression_is_a_catalog_error() -> None:
+    with pytest.raises(errors.CatalogError) as caught:
+        scheduled_catalog({"cron": "61 3 * * *"})
+    assert caught.value.pointer == "tasks.rebuild_cache.schedule.cron"
+
+
+def test_two_schedulers_and_restarts_dispatch_each_slot_once(engine: sa.Engine) -> None:
+    catalog = scheduled_catalog({"cron": "*/5 * * * *"})
+    first, second = Scheduler(catalog), Scheduler(catalog)
+    with engine.connect() as conn:
+        assert first.tick(conn) == 1
+        assert first.tick(conn) == 0  # same slot: nothing to do
+        assert second.tick(conn) == 0  # another scheduler (or a restart): resolves to the same run
+        assert Scheduler(catalog).tick(conn) == 0
+    [run] = runs(engine)
+    [row] = outbox_rows(engine)
+    assert run.task == "rebuild_cache" and run.tenant_id is None and row.kind == "platform"
+    slot = json.loads(row.envelope["payload"])["slot"]
+    assert run.run_id == slot_run_id("rebuild_cache", dt.datetime.fromisoformat(slot))
+
+
+def test_each_new_slot_is_dispatched_once(engine: sa.Engine) -> None:
+    scheduler = Scheduler(scheduled_catalog({"every_seconds": 1}))
+    deadline = time.monotonic() + 3.2
+    with engine.connect() as conn:
+        while time.monotonic() < deadline:
+            scheduler.tick(conn)
+            time.sleep(0.05)
+    slots = [json.loads(r.envelope["payload"])["slot"] for r in outbox_rows(engine)]
+    assert 3 <= len(slots) <= 5
+    assert len(set(slots)) == len(slots)
+
+
+def test_the_active_relay_runs_the_schedule(
+    engine: sa.Engine, settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]
+) -> None:
+    relay = Relay(
+        settings.replace(sqs_endpoint_url=sqs_endpoint),
+        engine=engine,
+        catalog=scheduled_catalog({"every_seconds": 1}),
+    )
+    relay.start_in_thread()
+    try:
+        time.sleep(2.6)
+    finally:
+        relay.stop()
+        relay.join(10)
+    rows = outbox_rows(engine)
+    assert 2 <= len(rows) <= 4
+    assert all(r.sent_at is not None for r in rows[:-1])  # sent by the same relay
+    assert len({r.run_id for r in rows}) == len(rows)
