@@ -11,9 +11,6 @@ Handlers raise :class:`PermanentError` (send the run to the dead-letter queue no
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Sequence
-
 
 class OutboxError(Exception):
     """sqla_outbox error."""
@@ -144,24 +141,6 @@ class InvalidDispatch(DispatchError):
     """The dispatch options are inconsistent (negative delay, missing tenant, ...)."""
 
     code = "invalid-dispatch"
-
-
-class SendError(OutboxError):
-    """SQS rejected some or all entries of a send.
-
-    Attributes:
-        failed_run_ids: Runs whose messages were not accepted.
-        error_code: The SQS or transport error code (``ThrottlingException``, ...).
-    """
-
-    code = "send"
-
-    def __init__(
-        self, message: str, *, failed_run_ids: Sequence[uuid.UUID] = (), error_code: str = ""
-    ) -> None:
-        self.failed_run_ids = list(failed_run_ids)
-        self.error_code = error_code
-        super().__init__(message)
 
 
 class HandlerNotFound(OutboxError):

@@ -74,3 +74,16 @@ def test_url_helpers() -> None:
     assert sqlalchemy_url("postgresql+asyncpg://u@h/db") == "postgresql+asyncpg://u@h/db"
     assert redact_url("postgresql://user:s3cret@host/db") == "postgresql://user:***@host/db"
     assert "s3cret" not in str(OutboxSettings(database_url="postgresql://u:s3cret@h/d").redacted())
+
+
+def test_configuration_reference_in_docs_is_current() -> None:
+    from pathlib import Path
+
+    from sqla_outbox.config import reference_markdown
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    assert path.read_text() == reference_markdown(), (
+        "docs/configuration.md is stale: regenerate it with "
+        "`python -c \"from sqla_outbox.config import reference_markdown; "
+        "open('docs/configuration.md','w').write(reference_markdown())\"`"
+    )
