@@ -28,7 +28,7 @@ from sqla_outbox.config import OutboxSettings
 from sqla_outbox.dispatch import Dispatch, Publish
 from sqla_outbox.events import Installation, install, installation_for, uninstall
 from sqla_outbox.models import metadata
-from sqla_outbox.types import JSONValue, QueueName, RunStatus
+from sqla_outbox.types import JSONPayload, QueueName, RunStatus
 
 __version__ = "0.1.0"
 
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 
-def dispatch(session: Any, task: str, payload: JSONValue = None, **options: Any) -> uuid.UUID:
+def dispatch(session: Any, task: str, payload: JSONPayload = None, **options: Any) -> uuid.UUID:
     """Add a :class:`Dispatch` and flush; return the run that will execute.
 
     Flushing resolves an idempotency key (or a caller-chosen ``run_id``) to an existing
@@ -75,7 +75,7 @@ def dispatch(session: Any, task: str, payload: JSONValue = None, **options: Any)
     return item.resolved_run_id
 
 
-def publish(session: Any, event: str, payload: JSONValue = None, **options: Any) -> dict[str, uuid.UUID]:
+def publish(session: Any, event: str, payload: JSONPayload = None, **options: Any) -> dict[str, uuid.UUID]:
     """Add a :class:`Publish` and flush; return ``{subscriber task: run id}``."""
     item = Publish(event, {} if payload is None else payload, **options)
     session.add(item)

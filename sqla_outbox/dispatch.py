@@ -28,7 +28,7 @@ from sqlalchemy.orm import registry
 from sqla_outbox import envelope as envelope_mod
 from sqla_outbox import errors, tracing
 from sqla_outbox.catalog import Catalog, TaskSpec
-from sqla_outbox.types import QUEUE_NAMES, JSONValue
+from sqla_outbox.types import QUEUE_NAMES, JSONPayload, JSONValue
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 _MAX_KEY_LENGTH = 512
@@ -81,7 +81,7 @@ class _Scheduled:
         idempotency_key: str | None,
     ) -> None:
         self.payload_json = envelope_mod.encode_payload(name_for_errors, payload)
-        self.payload: JSONValue = payload
+        self.payload: JSONPayload = payload
         if tenant_id is not None and (
             isinstance(tenant_id, bool)
             or not isinstance(tenant_id, int)
@@ -187,7 +187,7 @@ class Dispatch(_Scheduled):
     def __init__(
         self,
         task: str,
-        payload: JSONValue = _MISSING,
+        payload: JSONPayload = _MISSING,
         *,
         tenant_id: int | None = None,
         queue: str | None = None,
@@ -266,7 +266,7 @@ class Publish(_Scheduled):
     def __init__(
         self,
         event: str,
-        payload: JSONValue = _MISSING,
+        payload: JSONPayload = _MISSING,
         *,
         tenant_id: int | None = None,
         delay: dt.timedelta | float | int | None = None,

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import enum
 import uuid
-from typing import TypeAlias
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeAlias
 
 JSONScalar: TypeAlias = str | int | float | bool | None
 JSONValue: TypeAlias = JSONScalar | list["JSONValue"] | dict[str, "JSONValue"]
 """A value that ``json.dumps`` encodes without a custom encoder."""
+
+JSONPayload: TypeAlias = Mapping[str, Any] | Sequence[Any] | str | int | float | bool | None
+"""What ``Dispatch``/``Publish`` accept as a payload statically (``dict[str, object]`` from
+mixed literals included); the value is checked to be plain JSON at construction."""
 
 RunId: TypeAlias = uuid.UUID
 """Identity of one unit of work: the outbox row, the envelope and the ``task_runs`` row share it."""
