@@ -28,7 +28,7 @@ from sqlalchemy.orm import registry
 from sqla_outbox import envelope as envelope_mod
 from sqla_outbox import errors, tracing
 from sqla_outbox.catalog import Catalog, TaskSpec
-from sqla_outbox.types import QUEUE_NAMES, JSONPayload, JSONValue
+from sqla_outbox.types import QUEUE_NAMES, JSONPayload
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 _MAX_KEY_LENGTH = 512
