@@ -125,6 +125,14 @@ class OutboxSettings:
         None, "Provision queues with SSE-KMS using this key id or alias (wins over SSE-SQS)."
     )
 
+    signing_keys: tuple[str, ...] = _setting(
+        (),
+        "Secret keys for message signatures, comma-separated. The relay signs every message "
+        "with the first (HMAC-SHA256 of the body, attribute `signature`); workers accept any "
+        "of them and send unsigned or badly signed messages to the DLQ unexecuted. Empty: "
+        "no signing. List the new key first and keep the old one while rotating.",
+    )
+
     # --- relay ---------------------------------------------------------------------------
     relay_sweep_interval_seconds: float = _setting(
         5.0,
@@ -265,6 +273,8 @@ class OutboxSettings:
             value = getattr(self, field.name)
             if isinstance(value, str) and "://" in value:
                 value = redact_url(value)
+            if field.name == "signing_keys":
+                value = ["***"] * len(value)
             out[field.name] = value
         return out
 
@@ -347,6 +357,11 @@ def _validate(s: OutboxSettings) -> None:
         "may hold only letters, digits, '-' and '_' (SQS queue names), at most 60 characters",
     )
     _check(1 <= s.max_receive_count <= 1000, "max_receive_count", "must be within 1..1000")
+    _check(
+        all(len(key) >= 16 for key in s.signing_keys),
+        "signing_keys",
+        "each key must be at least 16 characters long",
+    )
     _check(s.relay_sweep_interval_seconds > 0, "relay_sweep_interval_seconds", "must be > 0")
     _check(1 <= s.relay_batch_size <= 10_000, "relay_batch_size", "must be within 1..10000")
     _check(1 <= s.relay_send_concurrency <= 64, "relay_send_concurrency", "must be within 1..64")

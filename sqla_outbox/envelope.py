@@ -25,11 +25,13 @@ or eval), bounds the size before parsing, and validates every field.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import math
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqla_outbox import errors
@@ -109,13 +111,32 @@ class Envelope:
         return message_attributes(self.run_id, self.task, self.tenant_id)
 
     def size_bytes(self) -> int:
-        """Message size as SQS counts it: body plus attribute names, types and values."""
-        return message_size_bytes(self.encode(), self.message_attributes())
+        """Message size as SQS counts it: body plus attribute names, types and values
+        (including the relay's signature attribute)."""
+        return message_size_bytes(self.encode(), self.message_attributes()) + SIGNATURE_SIZE_BYTES
 
 
 def encode_document(document: Mapping[str, Any]) -> str:
     """Serialise an envelope document compactly (the form sent to SQS)."""
     return json.dumps(document, separators=(",", ":"), ensure_ascii=True)
+
+
+SIGNATURE_ATTRIBUTE = "signature"
+SIGNATURE_SIZE_BYTES = len(SIGNATURE_ATTRIBUTE) + len("String") + 64
+"""Bytes the relay's signature attribute adds; always counted, so turning signing on never
+makes an accepted dispatch too large to send."""
+
+
+def sign(body: str, key: str) -> str:
+    """HMAC-SHA256 of the body under ``key``, hex (64 characters)."""
+    return hmac.new(key.encode("utf-8"), body.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def signature_valid(body: str, signature: str | None, keys: Sequence[str]) -> bool:
+    """True when ``signature`` is the HMAC of ``body`` under one of ``keys`` (constant time)."""
+    if not signature:
+        return False
+    return any(hmac.compare_digest(sign(body, key), signature) for key in keys)
 
 
 def message_attributes(

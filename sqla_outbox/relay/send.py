@@ -68,10 +68,16 @@ class Entry:
     size_bytes: int
 
 
-def build_entry(row: ClaimedRow) -> Entry:
-    """The SQS message for ``row``: compact JSON body plus run_id/task/tenant attributes."""
+def build_entry(row: ClaimedRow, signing_key: str | None = None) -> Entry:
+    """The SQS message for ``row``: compact JSON body plus run_id/task/tenant attributes,
+    and the body's HMAC signature when a signing key is configured."""
     body = envelope.encode_document(row.envelope)
     attributes = envelope.message_attributes(row.run_id, str(row.envelope.get("task", "")), row.tenant_id)
+    if signing_key:
+        attributes[envelope.SIGNATURE_ATTRIBUTE] = {
+            "DataType": "String",
+            "StringValue": envelope.sign(body, signing_key),
+        }
     return Entry(row, body, attributes, envelope.message_size_bytes(body, attributes))
 
 
@@ -106,6 +112,7 @@ class SqsSender:
         self.client = client
         self.directory = directory
         self.max_bytes = settings.max_message_bytes
+        self.signing_key = settings.signing_keys[0] if settings.signing_keys else None
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=settings.relay_send_concurrency, thread_name_prefix="sqla-outbox-send"
         )
@@ -114,7 +121,7 @@ class SqsSender:
         """Send ``rows``; every row ends up in ``sent`` or ``failed``."""
         by_queue: dict[str, list[Entry]] = {}
         for row in rows:
-            by_queue.setdefault(row.queue, []).append(build_entry(row))
+            by_queue.setdefault(row.queue, []).append(build_entry(row, self.signing_key))
         calls = [
             (queue, batch)
             for queue, entries in by_queue.items()

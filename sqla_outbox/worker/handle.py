@@ -1,17 +1,20 @@
 """Handling one received message, from untrusted body to final verdict.
 
-1. **Decode** the body (:func:`sqla_outbox.envelope.decode`: JSON only, size-bounded,
+1. **Authenticate** (when ``signing_keys`` is set): the body's HMAC signature must match;
+   otherwise → DLQ with reason ``bad-signature``, never executed, nothing read from the
+   database.
+2. **Decode** the body (:func:`sqla_outbox.envelope.decode`: JSON only, size-bounded,
    every field checked). Malformed → DLQ with the reason, never executed.
-2. **Take the run's lease** (:func:`sqla_outbox.worker.runs.take_lease`). No such run
+3. **Take the run's lease** (:func:`sqla_outbox.worker.runs.take_lease`). No such run
    (foreign or forged message) or a run of another task/tenant → DLQ, never executed.
    A finished run → the copy is acknowledged and skipped (a failed run whose DLQ send
    was interrupted gets it completed). A live lease elsewhere → the copy is hidden until
    that lease would expire; it runs only if the other worker vanished.
-3. **Check** the receive count (a message redelivered past ``max_receives`` without a
+4. **Check** the receive count (a message redelivered past ``max_receives`` without a
    verdict, e.g. after worker crashes, goes to the DLQ) and that a handler exists.
-4. **Run** the handler with its timeout, heartbeat running (see ``heartbeat.py``). The
+5. **Run** the handler with its timeout, heartbeat running (see ``heartbeat.py``). The
    handler's session commits together with ``running → succeeded``.
-5. **Verdict**: success → delete; :class:`~sqla_outbox.errors.Retry` or another exception
+6. **Verdict**: success → delete; :class:`~sqla_outbox.errors.Retry` or another exception
    → ``retrying`` and ChangeMessageVisibility(backoff), or the permanent path on the
    last allowed receive; :class:`~sqla_outbox.errors.PermanentError` or a type listed in
    ``@task(permanent=...)`` → ``failed``, DLQ with the error context, delete; timeout →
@@ -121,6 +124,17 @@ def _run_in_thread(fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
 
 async def handle_message(worker: Worker, flight: InFlight) -> None:
     """Take one message to a verdict (see the module docstring)."""
+    keys = worker.settings.signing_keys
+    if keys:
+        signature = flight.attributes.get(envelope.SIGNATURE_ATTRIBUTE, {}).get("StringValue")
+        if not envelope.signature_valid(flight.body, signature, keys):
+            await _dead_letter_foreign(
+                worker,
+                flight,
+                reason="bad-signature",
+                detail="missing or invalid signature: not sent by our relay",
+            )
+            return
     try:
         env = envelope.decode(flight.body, max_bytes=worker.settings.max_message_bytes)
     except envelope.MalformedEnvelope as exc:

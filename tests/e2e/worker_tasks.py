@@ -7,6 +7,7 @@ test can count how many times a run's effects were committed.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from typing import Any
@@ -59,6 +60,9 @@ def behave(payload: dict[str, Any], ctx: TaskContext) -> None:
                 return
     if mode == "sleep_ignoring_cancel" and ctx.attempt == 1:
         time.sleep(payload["seconds"])
+    if mode == "record_payload":
+        record(ctx, note=json.dumps(payload))
+        return
     if mode == "followup":
         ctx.session.add(Dispatch("send_welcome", {"mode": "ok", "from": str(ctx.run_id)}))
     record(ctx, note=mode)

@@ -93,7 +93,8 @@ def test_size_counts_body_and_attribute_names_types_and_values() -> None:
     expected = len(body)
     for name, attr in attrs.items():
         expected += len(name) + len(attr["DataType"]) + len(attr["StringValue"])
-    assert env.size_bytes() == expected
+    signature = len("signature") + len("String") + 64  # counted whether or not the relay signs
+    assert env.size_bytes() == expected + signature
     assert set(attrs) == {"run_id", "task", "tenant_id"}
     assert "tenant_id" not in make(tenant_id=None).message_attributes()
 
@@ -157,3 +158,17 @@ def test_deeply_nested_body_is_refused_not_crashing() -> None:
     with pytest.raises(envelope.MalformedEnvelope) as caught:
         envelope.decode(body, max_bytes=1_048_576)
     assert caught.value.reason == "not-json"
+
+
+def test_signatures_verify_with_any_listed_key_and_reject_everything_else() -> None:
+    body = make().encode()
+    signature = envelope.sign(body, "new-key-0123456789")
+    assert len(signature) == 64
+    assert envelope.signature_valid(body, signature, ["new-key-0123456789", "old-key-0123456789"])
+    assert envelope.signature_valid(
+        body, envelope.sign(body, "old-key-0123456789"), ["new-key-0123456789", "old-key-0123456789"]
+    )
+    assert not envelope.signature_valid(body + " ", signature, ["new-key-0123456789"])
+    assert not envelope.signature_valid(body, signature, ["another-key-0123456"])
+    assert not envelope.signature_valid(body, None, ["new-key-0123456789"])
+    assert not envelope.signature_valid(body, "", ["new-key-0123456789"])
