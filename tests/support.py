@@ -202,6 +202,7 @@ class TcpProxy:
         self.server.listen(128)
         self.port = int(self.server.getsockname()[1])
         self.enabled = True
+        self.hanging = threading.Event()
         self._stop = threading.Event()
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -214,15 +215,28 @@ class TcpProxy:
 
     def disable(self) -> None:
         self.enabled = False
+        self._cut()
+
+    def enable(self) -> None:
+        self.enabled = True
+
+    def hang(self) -> None:
+        """Stop forwarding anything (calls in flight and new ones block), as a hung endpoint."""
+        self.hanging.set()
+
+    def unhang(self) -> None:
+        """Resume for new connections; requests that were held are dropped with their
+        connections (they never reach the endpoint), as after a real outage."""
+        self._cut()
+        self.hanging.clear()
+
+    def _cut(self) -> None:
         with self._lock:
             for conn in self._conns:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
                 conn.close()
             self._conns.clear()
-
-    def enable(self) -> None:
-        self.enabled = True
 
     def close(self) -> None:
         self._stop.set()
@@ -249,13 +263,16 @@ class TcpProxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while True:
                 data = source.recv(65536)
                 if not data:
                     break
+                if self.hanging.is_set():
+                    while self.hanging.is_set() and not self._stop.is_set():
+                        time.sleep(0.05)
+                    break  # held requests are dropped: their connections were cut
                 sink.sendall(data)
         except OSError:
             pass

@@ -42,6 +42,9 @@ def behave(payload: dict[str, Any], ctx: TaskContext) -> None:
         raise ConnectionError(f"flaky dependency (attempt {ctx.attempt})")
     if mode == "always_fail":
         raise RuntimeError("this never works")
+    if mode == "sleep_then_permanent":
+        time.sleep(payload["seconds"])
+        raise errors.ValidationFailed("refused after thinking about it")
     if mode == "permanent":
         raise errors.ValidationFailed("order 7 has no lines")
     if mode == "keyerror":
