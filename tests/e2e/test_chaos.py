@@ -1,0 +1,30 @@
+"""The short chaos run (CI): kills, outages and a PostgreSQL restart; nothing lost, nothing twice.
+
+The long version: ``scripts/chaos --duration 600`` (see docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.chaos import harness
+
+pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
+
+
+def test_short_chaos_run_loses_nothing_and_repeats_nothing(redis_url: str) -> None:
+    try:
+        report = harness.run(duration=45, rate=10, seed=3)
+    except harness.Unavailable as exc:
+        pytest.fail(f"the chaos run needs its own PostgreSQL and Valkey servers: {exc}")
+    harness.print_report(report)
+    assert report.runs_committed > 100
+    assert report.faults.get("postgres_restarts") == 1
+    assert report.faults.get("relay_kills", 0) + report.faults.get("worker_kills", 0) >= 5
+    assert report.lost == []
+    assert report.wrong_status == []
+    assert report.phantom_runs == []
+    assert report.stuck == []
+    assert report.effect_errors == []
+    assert report.dlq_missing == []
+    assert report.uncertain_split == []
