@@ -19,16 +19,21 @@ sqla_outbox.worker`` runs the handlers. The API process imports neither.
 
 from __future__ import annotations
 
+import importlib
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqla_outbox import errors
-from sqla_outbox.catalog import Catalog, TaskSpec
-from sqla_outbox.config import OutboxSettings
+# The submodule ``sqla_outbox.dispatch`` is imported here, before the ``dispatch()`` helper
+# below is defined: importing it later would replace the package attribute ``dispatch``.
 from sqla_outbox.dispatch import Dispatch, Publish
-from sqla_outbox.events import Installation, install, installation_for, uninstall
-from sqla_outbox.models import metadata
-from sqla_outbox.types import JSONPayload, QueueName, RunStatus
+
+if TYPE_CHECKING:  # the other names are imported on first use (PEP 562), not at import
+    from sqla_outbox import errors
+    from sqla_outbox.catalog import Catalog, TaskSpec
+    from sqla_outbox.config import OutboxSettings
+    from sqla_outbox.events import Installation, install, installation_for, uninstall
+    from sqla_outbox.models import metadata
+    from sqla_outbox.types import JSONPayload, QueueName, RunStatus
 
 __version__ = "0.1.0"
 
@@ -49,6 +54,42 @@ __all__ = [
     "publish",
     "uninstall",
 ]
+
+_EXPORTS = {
+    "Catalog": "sqla_outbox.catalog",
+    "TaskSpec": "sqla_outbox.catalog",
+    "OutboxSettings": "sqla_outbox.config",
+    "Installation": "sqla_outbox.events",
+    "install": "sqla_outbox.events",
+    "installation_for": "sqla_outbox.events",
+    "uninstall": "sqla_outbox.events",
+    "metadata": "sqla_outbox.models",
+    "JSONPayload": "sqla_outbox.types",
+    "QueueName": "sqla_outbox.types",
+    "RunStatus": "sqla_outbox.types",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import public names and submodules on first use, so ``import sqla_outbox`` (and the
+    pytest plugin, in projects that never use it) stays cheap."""
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
 
 
 def dispatch(session: Any, task: str, payload: JSONPayload = None, **options: Any) -> uuid.UUID:

@@ -20,15 +20,17 @@ import dataclasses
 import datetime as dt
 import re
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Column, Integer, MetaData, Table, event
 from sqlalchemy.orm import registry
 
 from sqla_outbox import envelope as envelope_mod
 from sqla_outbox import errors, tracing
-from sqla_outbox.catalog import Catalog, TaskSpec
 from sqla_outbox.types import QUEUE_NAMES, JSONPayload
+
+if TYPE_CHECKING:
+    from sqla_outbox.catalog import Catalog, TaskSpec
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 _MAX_KEY_LENGTH = 512

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime as dt
 import logging
 import threading
 import time
@@ -39,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqla_outbox import envelope, errors, metrics, tracing
 from sqla_outbox.logging import log_extra, short_handle
-from sqla_outbox.worker import runs
+from sqla_outbox.worker import execute, runs
 from sqla_outbox.worker.context import TaskContext
 from sqla_outbox.worker.outcome import backoff_seconds, utc_now_text
 from sqla_outbox.worker.registry import TaskDefinition
@@ -69,10 +68,6 @@ class InFlight:
     task: asyncio.Task[None] | None = None
     leased: bool = False
     verdict: str | None = None
-
-
-class _LeaseLost(Exception):
-    """The attempt no longer holds the run (its finish matched nothing)."""
 
 
 class _TimedOut(Exception):
@@ -222,43 +217,21 @@ async def _execute(
     limit: int,
 ) -> None:
     timeout = definition.effective_timeout()
-    ctx = TaskContext(
-        run_id=env.run_id,
-        task=env.task,
-        queue=flight.queue,
-        tenant_id=env.tenant_id,
-        event=env.event,
-        attempt=attempt.attempt,
-        receive_count=flight.receive_count,
-        deadline_at=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=timeout) if timeout else None,
-        session=None,
-        logger=logging.LoggerAdapter(
-            logging.getLogger(f"sqla_outbox.task.{env.task}"),
-            log_extra(
-                run_id=str(env.run_id), task=env.task, tenant_id=env.tenant_id, attempt=attempt.attempt
-            ),
-        ),
-        _deadline_monotonic=time.monotonic() + timeout if timeout else None,
-    )
+    ctx = execute.make_context(env, attempt, definition, queue=flight.queue)
     flight.ctx = ctx
     payload = env.payload
     started = time.perf_counter()
     _log(logging.DEBUG, "attempt started", "worker.attempt_started", flight, attempt=attempt.attempt)
-    span_attributes = {
-        "sqla_outbox.run_id": str(env.run_id),
-        "sqla_outbox.task": env.task,
-        "sqla_outbox.attempt": attempt.attempt,
-        "sqla_outbox.tenant_id": env.tenant_id,
-        "messaging.system": "aws_sqs",
-        "messaging.destination.name": flight.queue,
-    }
+    span_attributes = execute.span_attributes(env, attempt, queue=flight.queue)
     try:
         with tracing.handler_span(f"{env.task} process", env.trace, span_attributes):
             if definition.is_async:
-                await _with_timeout(_run_async(worker, definition, payload, ctx, attempt), timeout)
+                runner = execute.run_async(worker.async_session_factory, definition, payload, ctx, attempt)
+                await _with_timeout(runner, timeout)
             else:
                 future = _run_in_thread(
-                    lambda: _run_sync(worker, definition, payload, ctx, attempt), name=f"task-{env.task}"
+                    lambda: execute.run_sync(worker.session_factory, definition, payload, ctx, attempt),
+                    name=f"task-{env.task}",
                 )
                 await _with_timeout(asyncio.shield(future), timeout)
     except _TimedOut:
@@ -271,7 +244,7 @@ async def _execute(
     except asyncio.CancelledError:
         ctx.cancel_event.set()
         raise
-    except _LeaseLost:
+    except execute.LeaseLost:
         await _reconcile_lost(worker, flight)
         return
     except errors.Retry as exc:
@@ -298,38 +271,6 @@ async def _execute(
         duration_ms=round((time.perf_counter() - started) * 1000, 2),
     )
     await worker.io(worker.outcomes.ack, flight.queue, flight.receipt_handle)
-
-
-def _call(definition: TaskDefinition, payload: Any, ctx: TaskContext) -> Any:
-    return definition.handler(payload, ctx) if definition.takes_context else definition.handler(payload)
-
-
-def _run_sync(
-    worker: Worker, definition: TaskDefinition, payload: Any, ctx: TaskContext, attempt: runs.Attempt
-) -> None:
-    with worker.session_factory() as session:
-        ctx.session = session
-        _call(definition, payload, ctx)
-        if ctx.cancelled:  # timed out or lost: the verdict is already recorded elsewhere
-            session.rollback()
-            raise _LeaseLost
-        if not runs.mark_succeeded(session.connection(), attempt):
-            session.rollback()
-            raise _LeaseLost
-        session.commit()
-
-
-async def _run_async(
-    worker: Worker, definition: TaskDefinition, payload: Any, ctx: TaskContext, attempt: runs.Attempt
-) -> None:
-    async with worker.async_session_factory() as session:
-        ctx.session = session
-        await _call(definition, payload, ctx)
-        won = await session.run_sync(lambda s: runs.mark_succeeded(s.connection(), attempt))
-        if not won:
-            await session.rollback()
-            raise _LeaseLost
-        await session.commit()
 
 
 async def _transient(

@@ -1,0 +1,108 @@
+"""Executing one attempt of a run: the part the worker and the inline test runner share.
+
+No SQS here (and no boto3 import): given a leased attempt, build the handler's context,
+call the handler in its own session, and commit the session together with
+``running → succeeded`` (:func:`sqla_outbox.worker.runs.mark_succeeded`, guarded by the
+attempt's lease). The callers decide what happens around it: the worker adds timeouts,
+heartbeats and SQS verdicts (``handle.py``); ``sqla_outbox.testing`` runs attempts inline.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqla_outbox import envelope
+from sqla_outbox.logging import log_extra
+from sqla_outbox.worker import runs
+from sqla_outbox.worker.context import TaskContext
+from sqla_outbox.worker.registry import TaskDefinition
+
+
+class LeaseLost(Exception):
+    """The attempt no longer holds the run: its ``succeeded`` matched nothing (or it was
+    cancelled first). Nothing the handler did through its session was committed."""
+
+
+def make_context(
+    env: envelope.Envelope, attempt: runs.Attempt, definition: TaskDefinition, *, queue: str
+) -> TaskContext:
+    """The :class:`TaskContext` of an attempt (its session is set by the runners below)."""
+    timeout = definition.effective_timeout()
+    return TaskContext(
+        run_id=env.run_id,
+        task=env.task,
+        queue=queue,
+        tenant_id=env.tenant_id,
+        event=env.event,
+        attempt=attempt.attempt,
+        receive_count=attempt.receive_count,
+        deadline_at=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=timeout) if timeout else None,
+        session=None,
+        logger=logging.LoggerAdapter(
+            logging.getLogger(f"sqla_outbox.task.{env.task}"),
+            log_extra(
+                run_id=str(env.run_id), task=env.task, tenant_id=env.tenant_id, attempt=attempt.attempt
+            ),
+        ),
+        _deadline_monotonic=time.monotonic() + timeout if timeout else None,
+    )
+
+
+def span_attributes(env: envelope.Envelope, attempt: runs.Attempt, *, queue: str) -> dict[str, Any]:
+    """OpenTelemetry attributes of the handler span."""
+    return {
+        "sqla_outbox.run_id": str(env.run_id),
+        "sqla_outbox.task": env.task,
+        "sqla_outbox.attempt": attempt.attempt,
+        "sqla_outbox.tenant_id": env.tenant_id,
+        "messaging.system": "aws_sqs",
+        "messaging.destination.name": queue,
+    }
+
+
+def call(definition: TaskDefinition, payload: Any, ctx: TaskContext) -> Any:
+    """Call the handler with ``(payload, ctx)`` or ``(payload)``, as it was declared."""
+    return definition.handler(payload, ctx) if definition.takes_context else definition.handler(payload)
+
+
+def run_sync(
+    session_factory: Callable[[], Any], definition: TaskDefinition, payload: Any, ctx: TaskContext,
+    attempt: runs.Attempt,
+) -> None:
+    """Run a sync handler in a new session; commit it with ``succeeded``.
+
+    Raises:
+        LeaseLost: The attempt was cancelled or lost the run; the session was rolled back.
+        Exception: Whatever the handler raised (the session is rolled back).
+    """
+    with session_factory() as session:
+        ctx.session = session
+        call(definition, payload, ctx)
+        if ctx.cancelled or not runs.mark_succeeded(session.connection(), attempt):
+            session.rollback()
+            raise LeaseLost
+        session.commit()
+
+
+async def run_async(
+    session_factory: Callable[[], Any], definition: TaskDefinition, payload: Any, ctx: TaskContext,
+    attempt: runs.Attempt,
+) -> None:
+    """Run an async handler in a new ``AsyncSession``; commit it with ``succeeded``.
+
+    Raises:
+        LeaseLost: The attempt lost the run; the session was rolled back.
+        Exception: Whatever the handler raised.
+    """
+    async with session_factory() as session:
+        ctx.session = session
+        await call(definition, payload, ctx)
+        won = await session.run_sync(lambda s: runs.mark_succeeded(s.connection(), attempt))
+        if not won:
+            await session.rollback()
+            raise LeaseLost
+        await session.commit()
