@@ -31,7 +31,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from sqla_outbox import metrics
+from sqla_outbox import errors, metrics
 from sqla_outbox.config import OutboxSettings, redact_url
 from sqla_outbox.logging import log_extra
 
@@ -53,6 +53,24 @@ class WakeStats:
 
 
 def _client(url: str, timeout_seconds: float) -> redis.Redis:
+    """A client with short timeouts and no retries.
+
+    Raises:
+        ConfigurationError: ``url`` is not a Valkey/Redis URL (names the setting).
+    """
+    if not url.startswith(("redis://", "rediss://", "unix://", "valkey://", "valkeys://")):
+        raise errors.ConfigurationError(
+            f"{redact_url(url)!r} is not a redis://, rediss:// or unix:// URL",
+            option="SQLA_OUTBOX_VALKEY_URL",
+        )
+    url = url.replace("valkey://", "redis://", 1).replace("valkeys://", "rediss://", 1)
+    try:
+        return _make_client(url, timeout_seconds)
+    except ValueError as exc:
+        raise errors.ConfigurationError(str(exc), option="SQLA_OUTBOX_VALKEY_URL") from exc
+
+
+def _make_client(url: str, timeout_seconds: float) -> redis.Redis:
     return redis.Redis.from_url(
         url,
         socket_timeout=timeout_seconds,
@@ -69,6 +87,10 @@ class Waker:
     Args:
         settings: Uses ``valkey_url`` (None: every wake is a no-op), ``wake_key``,
             ``wake_timeout_ms``, ``wake_retry_seconds`` and ``wake_list_max``.
+
+    Raises:
+        ConfigurationError: ``valkey_url`` is not a Valkey/Redis URL; raised by
+            :func:`sqla_outbox.install`, before any commit depends on it.
     """
 
     def __init__(self, settings: OutboxSettings) -> None:
@@ -189,16 +211,18 @@ class WakeListener:
         in_outage = False
         while not self._stop.is_set():
             try:
-                item = client.blpop([self.key], timeout=self.timeout)
                 if not self.connected:
+                    client.ping()  # know at once that Valkey is back, not after a BLPOP timeout
                     self.connected = True
+                    backoff = 0.1
                     if in_outage:
+                        in_outage = False
                         logger.info(
                             "wake listener reconnected",
                             extra=log_extra(action="relay.wake_recovered"),
                         )
-                    in_outage = False
-                backoff = 0.1
+                        self.on_wake()  # wakes pushed during the outage were lost: look now
+                item = client.blpop([self.key], timeout=self.timeout)
                 if item is None:
                     continue
                 client.delete(self.key)

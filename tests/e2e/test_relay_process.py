@@ -271,3 +271,58 @@ def test_relay_exposes_its_metrics(
         assert "sqla_outbox_relay_oldest_pending_age_seconds" in text
     finally:
         assert relay.terminate() == 0
+
+
+def test_relay_reconnects_to_valkey_and_logs_once_per_outage(
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+    catalog: Any,
+) -> None:
+    """Valkey is down when the relay starts, comes up, goes down, comes up again."""
+    import shutil
+    import subprocess
+
+    import sqla_outbox
+
+    server = shutil.which("valkey-server") or shutil.which("redis-server")
+    assert server is not None, "redis-server or valkey-server is needed for this test"
+    port = support.free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    local = settings.replace(valkey_url=url, relay_sweep_interval_seconds=30)
+    maker = sessionmaker(engine)
+    sqla_outbox.install(maker, local, catalog=catalog)
+    relay = start_relay(local, sqs_endpoint)
+
+    def start_valkey() -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(
+            [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+        )
+        relay.wait_for_action("relay.wake_recovered", count=len(relay.actions("relay.wake_recovered")) + 1)
+        return process
+
+    valkey = None
+    try:
+        relay.wait_for_action("relay.leader")
+        relay.wait_for_action("relay.wake_lost")
+        time.sleep(2)  # several reconnect attempts while down ...
+        assert len(relay.actions("relay.wake_lost")) == 1  # ... but one line per outage
+        valkey = start_valkey()
+        started = time.monotonic()
+        with maker() as session, session.begin():
+            session.add(Dispatch("audit", {"after": "recovery"}))
+        assert len(receive_all(sqs, queues["default"], expect=1, timeout=10)) == 1
+        assert time.monotonic() - started < 5  # the wake, not the 30 s sweep
+        valkey.kill()
+        valkey.wait()
+        relay.wait_for_action("relay.wake_lost", count=2)
+        valkey = start_valkey()
+        assert len(relay.actions("relay.wake_recovered")) == 2
+    finally:
+        sqla_outbox.uninstall(maker)
+        if valkey is not None:
+            valkey.kill()
+        assert relay.terminate() == 0

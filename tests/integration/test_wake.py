@@ -173,3 +173,29 @@ def test_rows_exist_when_the_process_dies_right_after_commit(
     assert count(engine, "task_runs") == 1
     engine.dispose()
     assert valkey.llen(settings.wake_key) == 0
+
+
+def test_valkey_url_that_is_not_a_redis_url_is_refused_at_install(
+    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog
+) -> None:
+    from sqla_outbox import errors
+
+    maker = sessionmaker(engine)
+    for url in ("http://127.0.0.1:6379", "127.0.0.1:6379"):
+        with pytest.raises(errors.ConfigurationError, match="SQLA_OUTBOX_VALKEY_URL"):
+            sqla_outbox.install(maker, settings.replace(valkey_url=url), catalog=catalog)
+        assert sqla_outbox.installation_for(maker) is None
+
+
+def test_valkey_url_pointing_at_another_service_never_reaches_the_app(
+    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, cleanup: list, pg_url: str
+) -> None:
+    """Misconfigured: the URL points at PostgreSQL, which does not speak the Redis protocol."""
+    port = pg_url.rsplit(":", 1)[1].split("/")[0]
+    maker = installed(engine, settings.replace(valkey_url=f"redis://127.0.0.1:{port}/0"), catalog)
+    cleanup.append(maker)
+    durations = [commit_one(maker) for _ in range(3)]
+    assert max(durations) < 0.6
+    assert count(engine, "task_runs") == 3
+    stats = sqla_outbox.installation_for(maker).waker.stats  # type: ignore[union-attr]
+    assert (stats.sent, stats.failed, stats.skipped) == (0, 1, 2)
