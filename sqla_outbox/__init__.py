@@ -90,8 +90,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-
-
 def dispatch(session: Any, task: str, payload: JSONPayload = None, **options: Any) -> uuid.UUID:
     """Add a :class:`Dispatch` and flush; return the run that will execute.
 

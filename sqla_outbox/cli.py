@@ -332,11 +332,12 @@ def catalog_write_command(check: bool, **options: Any) -> None:
     """Write tasks.json from the @task registrations in --imports modules."""
     with handle_errors(False):
         settings = load_settings(**options)
+        import sqla_outbox.maintenance  # registers the built-in tasks
         from sqla_outbox.worker.consumer import import_task_modules
         from sqla_outbox.worker.registry import registry
 
         import_task_modules(settings.worker_imports)
-        if not registry.tasks:
+        if not set(registry.tasks) - set(sqla_outbox.maintenance.BUILTIN_TASKS):
             raise errors.ConfigurationError(
                 "no tasks registered; pass the modules that define them with --imports",
                 option="SQLA_OUTBOX_WORKER_IMPORTS",
@@ -384,4 +385,5 @@ def main_relay() -> None:
 
 
 # Command modules that attach to ``main`` (imported last: they import ``main`` from here).
+from sqla_outbox import demo as _demo  # noqa: E402,F401
 from sqla_outbox.ops import cli as _ops_cli  # noqa: E402,F401

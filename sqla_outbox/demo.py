@@ -152,6 +152,8 @@ def _services(database_name: str, console: Any, keep: bool) -> Iterator[dict[str
                 "SQLA_OUTBOX_WORKER_BACKOFF_MAX_SECONDS": "4",
                 "SQLA_OUTBOX_WORKER_CONCURRENCY": "8",
                 "SQLA_OUTBOX_WORKER_STOP_BUDGET_SECONDS": "5",
+                # the shop's workload only: no maintenance.purge slot at start
+                "SQLA_OUTBOX_RELAY_SCHEDULER": "false",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
             }
         )

@@ -11,6 +11,8 @@ Handlers raise :class:`PermanentError` (send the run to the dead-letter queue no
 
 from __future__ import annotations
 
+import uuid
+
 
 class OutboxError(Exception):
     """sqla_outbox error."""
@@ -155,6 +157,20 @@ class HandlerNotFound(OutboxError):
     def __init__(self, task: str) -> None:
         self.task = task
         super().__init__(f"no handler registered for task {task!r}")
+
+
+class RunNotFound(OutboxError):
+    """No run has this run_id (never dispatched, or purged).
+
+    Attributes:
+        run_id: The run asked for.
+    """
+
+    code = "run-not-found"
+
+    def __init__(self, run_id: uuid.UUID) -> None:
+        self.run_id = run_id
+        super().__init__(f"no run {run_id} (never dispatched, or purged)")
 
 
 class PermanentError(OutboxError):

@@ -51,8 +51,12 @@ async def award_loyalty(payload: dict[str, Any], ctx: TaskContext) -> None:
     if email.endswith("@invalid.example"):
         raise errors.ValidationFailed(f"order {payload['order_id']}: no loyalty account for this address")
     ctx.session.add(
-        Effect(run_id=str(ctx.run_id), task=ctx.task, tenant_id=ctx.tenant_id,
-               detail=f"{payload['quantity'] * 10} points for order {payload['order_id']}")
+        Effect(
+            run_id=str(ctx.run_id),
+            task=ctx.task,
+            tenant_id=ctx.tenant_id,
+            detail=f"{payload['quantity'] * 10} points for order {payload['order_id']}",
+        )
     )
 
 

@@ -550,5 +550,3 @@ class _AsyncBridge:
                 self._thread.shutdown()
         finally:
             uninstall(self.session_factory)
-
-

@@ -480,5 +480,3 @@ def _short_json(value: Any) -> str:
     except (TypeError, ValueError):
         shown = repr(value)
     return shown if len(shown) <= _PAYLOAD_CHARS else shown[: _PAYLOAD_CHARS - 1] + "…"
-
-

@@ -33,13 +33,14 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+import sqla_outbox.maintenance  # noqa: F401  (registers maintenance.purge)
 from sqla_outbox import errors, metrics
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.events import install
 from sqla_outbox.logging import log_extra
 from sqla_outbox.relay import make_engine
-from sqla_outbox.sqs.client import QueueDirectory, error_code, make_client
+from sqla_outbox.sqs.client import QueueDirectory, error_code, is_missing_queue, make_client
 from sqla_outbox.types import QUEUE_NAMES
 from sqla_outbox.worker import handle as handling
 from sqla_outbox.worker.heartbeat import heartbeat_loop
@@ -189,7 +190,8 @@ class Worker:
         if handle_signals:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(signum, self._stop_event.set)
-        await self.io(self._resolve_queues)
+        if not await self._resolve_queues_patiently():
+            return
         if self.settings.worker_run_relay:
             from sqla_outbox.relay import Relay
 
@@ -212,20 +214,49 @@ class Worker:
         await self._stop_event.wait()
         await self._shutdown(receivers, heartbeat, ticker)
 
+    async def _resolve_queues_patiently(self) -> bool:
+        """Look up queue URLs and visibility timeouts; wait out an unreachable endpoint.
+
+        Returns False when stopped while waiting.
+
+        Raises:
+            ConfigurationError: A queue or its DLQ does not exist (run provisioning).
+        """
+        assert self._stop_event is not None
+        backoff, warned = 0.5, False
+        while True:
+            try:
+                await self.io(self._resolve_queues)
+                return True
+            except errors.ConfigurationError:
+                raise
+            except Exception as exc:
+                if not warned:
+                    warned = True
+                    logger.warning(
+                        "SQS not reachable at start; retrying",
+                        extra=log_extra(action="worker.sqs_unreachable", error_code=error_code(exc)),
+                    )
+            try:
+                await asyncio.wait_for(self._stop_event.wait(), backoff)
+                return False
+            except TimeoutError:
+                backoff = min(backoff * 2, 10.0)
+
     def _resolve_queues(self) -> None:
         for queue in self.queues:
             try:
                 url = self.directory.url(queue)
                 self.directory.dlq_url(queue)
-                attributes = self.client.get_queue_attributes(
-                    QueueUrl=url, AttributeNames=["VisibilityTimeout"]
-                )
             except Exception as exc:
+                if not is_missing_queue(exc):
+                    raise
                 raise errors.ConfigurationError(
-                    f"queue {self.settings.queue_url_name(queue)!r} or its DLQ is not usable "
+                    f"queue {self.settings.queue_url_name(queue)!r} or its DLQ does not exist "
                     f"({error_code(exc)}); run `sqla-outbox provision`",
                     option="SQLA_OUTBOX_WORKER_QUEUES",
                 ) from exc
+            attributes = self.client.get_queue_attributes(QueueUrl=url, AttributeNames=["VisibilityTimeout"])
             self.visibility[queue] = int(attributes["Attributes"]["VisibilityTimeout"])
 
     async def _tick(self) -> None:

@@ -70,7 +70,10 @@ def call(definition: TaskDefinition, payload: Any, ctx: TaskContext) -> Any:
 
 
 def run_sync(
-    session_factory: Callable[[], Any], definition: TaskDefinition, payload: Any, ctx: TaskContext,
+    session_factory: Callable[[], Any],
+    definition: TaskDefinition,
+    payload: Any,
+    ctx: TaskContext,
     attempt: runs.Attempt,
 ) -> None:
     """Run a sync handler in a new session; commit it with ``succeeded``.
@@ -89,7 +92,10 @@ def run_sync(
 
 
 async def run_async(
-    session_factory: Callable[[], Any], definition: TaskDefinition, payload: Any, ctx: TaskContext,
+    session_factory: Callable[[], Any],
+    definition: TaskDefinition,
+    payload: Any,
+    ctx: TaskContext,
     attempt: runs.Attempt,
 ) -> None:
     """Run an async handler in a new ``AsyncSession``; commit it with ``succeeded``.

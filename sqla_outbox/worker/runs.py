@@ -238,7 +238,7 @@ _DEAD_LETTERED = text(
     """
 WITH marked AS (
     UPDATE task_runs SET dead_lettered_at = clock_timestamp(), updated_at = clock_timestamp()
-    WHERE run_id = :run_id AND dead_lettered_at IS NULL RETURNING run_id
+    WHERE run_id = :run_id AND status = 'failed' AND dead_lettered_at IS NULL RETURNING run_id
 )
 INSERT INTO task_run_trail (run_id, status, receive_count, worker_id, detail)
 SELECT run_id, 'failed', :receive_count, :worker,

@@ -495,10 +495,7 @@ def print_report(report: ChaosReport) -> None:
     print(f"  transactions:      {report.transactions}")
     print(f"  committed runs:    {report.runs_committed}   by status: {report.runs_by_status}")
     print(f"  faults injected:   {report.faults}")
-    print(
-        "  duplicates delivered (copies of a finished or in-flight run): "
-        f"{report.duplicates_delivered}"
-    )
+    print(f"  duplicates delivered (copies of a finished or in-flight run): {report.duplicates_delivered}")
     print(f"  duplicate executions prevented: {report.duplicate_executions_prevented}")
     for name in (
         "lost",

@@ -343,3 +343,35 @@ def test_forged_messages_go_to_the_dlq_and_never_run(
     assert len(effects(engine)) == 1
     assert status_of(engine, real) == "succeeded"
     assert worker.process.poll() is None  # still running
+
+
+def test_worker_started_while_sqs_is_down_waits_and_then_works(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    queues: dict[str, str],
+) -> None:
+    from tests import support
+
+    host, port = sqs_endpoint.removeprefix("http://").split(":")
+    proxy = support.TcpProxy(host, int(port))
+    proxy.disable()
+    worker = start_worker(settings, proxy.endpoint, SQLA_OUTBOX_WORKER_RUN_RELAY="true")
+    try:
+        worker.wait_for_action("worker.sqs_unreachable")
+        time.sleep(1)
+        assert worker.process.poll() is None  # waiting, not exiting
+        proxy.enable()
+        worker.wait_for_action("worker.started", timeout=30)
+        run_id = dispatch(app, "audit", {"mode": "ok"})
+        wait_for(lambda: finished(engine, run_id), timeout=20)
+    finally:
+        worker.kill()
+        proxy.close()
+
+
+def test_worker_refuses_to_start_without_its_queues(settings: OutboxSettings, sqs_endpoint: str) -> None:
+    worker = start_worker(settings.replace(queue_prefix="never-provisioned-"), sqs_endpoint)
+    assert worker.process.wait(60) == 2
+    assert "does not exist" in worker.output() and "sqla-outbox provision" in worker.output()

@@ -84,6 +84,6 @@ def test_configuration_reference_in_docs_is_current() -> None:
     path = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert path.read_text() == reference_markdown(), (
         "docs/configuration.md is stale: regenerate it with "
-        "`python -c \"from sqla_outbox.config import reference_markdown; "
+        '`python -c "from sqla_outbox.config import reference_markdown; '
         "open('docs/configuration.md','w').write(reference_markdown())\"`"
     )

@@ -1,0 +1,414 @@
+"""Reading the dead-letter queues: ``sqla-outbox dlq list`` (and the scan ``dlq requeue`` uses).
+
+SQS has no "peek": the only way to read a queue is ReceiveMessage, which hides each
+message for a visibility timeout. :class:`DeadLetterScan` therefore receives every
+visible message of one DLQ with a short visibility (``list``: 30 s), never deletes
+anything itself, and at the end makes every message it did not delete visible again at
+once (ChangeMessageVisibilityBatch 0), so a ``dlq list`` followed by ``dlq requeue``
+sees the same messages. Receiving increments a DLQ message's ``ApproximateReceiveCount``;
+DLQs have no redrive policy, so that has no effect.
+
+What is shown of a message comes from its message attributes, which the worker sets
+when it dead-letters a run (:mod:`sqla_outbox.worker.outcome`): ``run_id``, ``task``,
+``tenant_id``, ``reason``, ``error_type``, ``failed_at``, ``receive_count``. A message
+moved by the SQS redrive policy itself (``maxReceiveCount`` receives without a verdict,
+e.g. workers killed mid-task) has no ``reason``; it is shown as ``sqs-redrive`` and its
+age counts from when it was first sent. The body is read only to find a missing
+``run_id``/``task``; payloads are never returned, printed or logged.
+
+The scan stops when it has seen as many messages as the queue's
+``ApproximateNumberOfMessages`` said at the start, when a 1-second long poll comes back
+empty, or at ``max_messages``. The counts are approximate (SQS), so a message that
+arrived during the scan may be missed: run the command again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import logging
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy.engine import Connection
+
+from sqla_outbox.config import OutboxSettings
+from sqla_outbox.logging import log_extra
+from sqla_outbox.ops.runs import statuses_of
+from sqla_outbox.sqs.client import SQS_MAX_BATCH_ENTRIES, QueueDirectory, error_code, is_missing_queue
+from sqla_outbox.types import QUEUE_NAMES
+
+logger = logging.getLogger(__name__)
+
+LIST_VISIBILITY_SECONDS = 30
+"""How long ``dlq list`` hides each message while it scans (released at the end)."""
+
+DEFAULT_MAX_MESSAGES = 1000
+"""Most messages one scan receives per DLQ."""
+
+REDRIVE_REASON = "sqs-redrive"
+"""Reason shown for messages the SQS redrive policy moved (no worker verdict)."""
+
+_BODY_PEEK_BYTES = 1_048_576
+_NAME_CHARS = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadLetter:
+    """One message in a DLQ, as the operator sees it (never the payload).
+
+    Attributes:
+        queue: Logical source queue (the DLQ belongs to it).
+        dlq: SQS name of the DLQ.
+        message_id: SQS message id (stable across receives).
+        run_id: The run, from the ``run_id`` attribute or the body; None for a foreign
+            or malformed message.
+        task: Task name, when known. tenant_id: Tenant, None for platform work or unknown.
+        reason: Why it was dead-lettered (``permanent-error``, ``retries-exhausted``,
+            ``receive-limit``, ``unknown-run``, ``malformed-envelope:...``, ...; or
+            ``sqs-redrive``).
+        error_type: Exception type of the last failure, when there was one.
+        receive_count: Receives of the source message when it failed.
+        failed_at: When it was dead-lettered (``failed_at`` attribute; else when it was
+            first sent), UTC.
+        age_seconds: Now minus ``failed_at``.
+        run_status: The run's status in ``task_runs`` when the database was asked
+            (``failed`` = can be requeued); None when unknown or not asked.
+    """
+
+    queue: str
+    dlq: str
+    message_id: str
+    run_id: uuid.UUID | None
+    task: str | None
+    tenant_id: int | None
+    reason: str
+    error_type: str | None
+    receive_count: int | None
+    failed_at: dt.datetime | None
+    age_seconds: float | None
+    run_status: str | None = None
+
+
+@dataclasses.dataclass
+class Received:
+    """A received DLQ message: what is shown, plus what a requeue needs (never printed).
+
+    Attributes:
+        letter: The :class:`DeadLetter`. receipt_handle: Current receipt handle.
+        body: The raw body (the envelope), used only to recreate a purged outbox row.
+    """
+
+    letter: DeadLetter
+    receipt_handle: str
+    body: str = dataclasses.field(repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadLetterFilter:
+    """Which DLQ messages a command acts on; every given filter must match (AND).
+
+    Attributes:
+        tasks: Task names (any of). queues: Logical queues whose DLQs are scanned
+            (default all four). older_than: Only messages dead-lettered longer ago.
+        run_ids: Only these runs.
+    """
+
+    tasks: tuple[str, ...] = ()
+    queues: tuple[str, ...] = ()
+    older_than: dt.timedelta | None = None
+    run_ids: frozenset[uuid.UUID] = frozenset()
+
+    def scanned_queues(self) -> tuple[str, ...]:
+        return tuple(q for q in QUEUE_NAMES if not self.queues or q in self.queues)
+
+    def matches(self, letter: DeadLetter) -> bool:
+        """True when ``letter`` passes the task, age and run filters (not the queue one)."""
+        if self.tasks and letter.task not in self.tasks:
+            return False
+        if self.run_ids and letter.run_id not in self.run_ids:
+            return False
+        if self.older_than is not None:
+            return letter.age_seconds is not None and letter.age_seconds >= self.older_than.total_seconds()
+        return True
+
+
+@dataclasses.dataclass
+class DeadLetterListing:
+    """Result of :func:`list_dead_letters`.
+
+    Attributes:
+        letters: Matching messages, by queue then oldest first.
+        scanned: Messages received per logical queue (matching or not).
+        missing_queues: DLQs that do not exist (not provisioned).
+        truncated: ``max_messages`` stopped a scan, or ``limit`` cut the list.
+    """
+
+    letters: list[DeadLetter]
+    scanned: dict[str, int]
+    missing_queues: list[str]
+    truncated: bool = False
+
+
+def _string_attributes(message: Mapping[str, Any]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in (message.get("MessageAttributes") or {}).items():
+        if isinstance(value, Mapping) and isinstance(value.get("StringValue"), str):
+            out[name] = value["StringValue"]
+    return out
+
+
+def _int_or_none(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def _uuid_or_none(value: Any) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(str(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _body_fields(body: str) -> dict[str, Any]:
+    """``run_id``/``task``/``tenant_id`` from a body that may be anything (untrusted)."""
+    if len(body) > _BODY_PEEK_BYTES:
+        return {}
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(document, dict):
+        return {}
+    return {k: document.get(k) for k in ("run_id", "task", "tenant_id")}
+
+
+def _failed_at(attributes: Mapping[str, str], system: Mapping[str, Any]) -> dt.datetime | None:
+    raw = attributes.get("failed_at")
+    if raw:
+        try:
+            parsed = dt.datetime.fromisoformat(raw)
+            return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+        except ValueError:
+            pass
+    sent = _int_or_none(system.get("SentTimestamp"))
+    return None if sent is None else dt.datetime.fromtimestamp(sent / 1000, dt.UTC)
+
+
+def parse_message(queue: str, dlq: str, message: Mapping[str, Any], *, now: dt.datetime) -> Received:
+    """Turn a ReceiveMessage entry of ``queue``'s DLQ into a :class:`Received`."""
+    attributes = _string_attributes(message)
+    body = str(message.get("Body", ""))
+    from_body = _body_fields(body) if "run_id" not in attributes or "task" not in attributes else {}
+    task = attributes.get("task") or from_body.get("task")
+    failed_at = _failed_at(attributes, message.get("Attributes") or {})
+    letter = DeadLetter(
+        queue=queue,
+        dlq=dlq,
+        message_id=str(message["MessageId"]),
+        run_id=_uuid_or_none(attributes.get("run_id") or from_body.get("run_id")),
+        task=task[:_NAME_CHARS] if isinstance(task, str) else None,
+        tenant_id=_int_or_none(attributes.get("tenant_id", from_body.get("tenant_id"))),
+        reason=attributes.get("reason") or REDRIVE_REASON,
+        error_type=attributes.get("error_type"),
+        receive_count=_int_or_none(attributes.get("receive_count")),
+        failed_at=failed_at,
+        age_seconds=None if failed_at is None else max(0.0, (now - failed_at).total_seconds()),
+    )
+    return Received(letter=letter, receipt_handle=str(message["ReceiptHandle"]), body=body)
+
+
+class DeadLetterScan:
+    """Receives the visible messages of one DLQ, hidden for ``visibility_seconds`` each.
+
+    Use as a context manager: on exit, every message received and not deleted through
+    :meth:`delete` is made visible again.
+
+    Args:
+        client: boto3 SQS client.
+        directory: Queue URLs.
+        queue: Logical source queue whose DLQ is scanned.
+        visibility_seconds: How long each received message stays hidden; must cover
+            the scan and the work done on each batch.
+        max_messages: Most messages received.
+
+    Raises:
+        botocore.exceptions.ClientError: From the SQS calls (a missing DLQ raises at
+            the first call; see :func:`sqla_outbox.sqs.client.is_missing_queue`).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        directory: QueueDirectory,
+        queue: str,
+        *,
+        visibility_seconds: int,
+        max_messages: int = DEFAULT_MAX_MESSAGES,
+    ) -> None:
+        self.client = client
+        self.queue = queue
+        self.dlq_name = directory.settings.dlq_url_name(queue)
+        self.url = directory.dlq_url(queue)
+        self.visibility_seconds = visibility_seconds
+        self.max_messages = max_messages
+        self.truncated = False
+        self._held: dict[str, Received] = {}
+        self._seen: set[str] = set()
+
+    def __enter__(self) -> DeadLetterScan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @property
+    def received(self) -> int:
+        return len(self._seen)
+
+    def batches(self) -> Iterator[list[Received]]:
+        """Yield received messages, up to 10 at a time, each message once."""
+        attributes = self.client.get_queue_attributes(
+            QueueUrl=self.url, AttributeNames=["ApproximateNumberOfMessages"]
+        )["Attributes"]
+        expected = int(attributes.get("ApproximateNumberOfMessages", 0))
+        while expected > 0 and len(self._seen) < expected:
+            if len(self._seen) >= self.max_messages:
+                self.truncated = True
+                return
+            response = self.client.receive_message(
+                QueueUrl=self.url,
+                MaxNumberOfMessages=min(SQS_MAX_BATCH_ENTRIES, self.max_messages - len(self._seen)),
+                VisibilityTimeout=self.visibility_seconds,
+                WaitTimeSeconds=1,
+                MessageAttributeNames=["All"],
+                AttributeNames=["SentTimestamp"],
+            )
+            messages = response.get("Messages", [])
+            if not messages:
+                return
+            now = dt.datetime.now(dt.UTC)
+            batch: list[Received] = []
+            for message in messages:
+                received = parse_message(self.queue, self.dlq_name, message, now=now)
+                message_id = received.letter.message_id
+                self._held[message_id] = received  # newest receipt handle wins
+                if message_id not in self._seen:
+                    self._seen.add(message_id)
+                    batch.append(received)
+            if not batch:  # everything came back again: the scan outlived its visibility
+                return
+            yield batch
+
+    def delete(self, messages: Sequence[Received]) -> set[str]:
+        """Delete ``messages`` (DeleteMessageBatch); return the message ids deleted."""
+        deleted: set[str] = set()
+        for start in range(0, len(messages), SQS_MAX_BATCH_ENTRIES):
+            chunk = messages[start : start + SQS_MAX_BATCH_ENTRIES]
+            response = self.client.delete_message_batch(
+                QueueUrl=self.url,
+                Entries=[{"Id": str(i), "ReceiptHandle": self._handle(m)} for i, m in enumerate(chunk)],
+            )
+            for entry in response.get("Successful", []):
+                message_id = chunk[int(entry["Id"])].letter.message_id
+                deleted.add(message_id)
+                self._held.pop(message_id, None)
+            for entry in response.get("Failed", []):
+                logger.warning(
+                    "DLQ message not deleted",
+                    extra=log_extra(
+                        action="ops.dlq_delete_failed",
+                        queue=self.queue,
+                        message_id=chunk[int(entry["Id"])].letter.message_id,
+                        error_code=entry.get("Code"),
+                    ),
+                )
+        return deleted
+
+    def release(self) -> None:
+        """Make every held (received, not deleted) message visible again at once."""
+        held = list(self._held.values())
+        self._held.clear()
+        for start in range(0, len(held), SQS_MAX_BATCH_ENTRIES):
+            chunk = held[start : start + SQS_MAX_BATCH_ENTRIES]
+            try:
+                self.client.change_message_visibility_batch(
+                    QueueUrl=self.url,
+                    Entries=[
+                        {"Id": str(i), "ReceiptHandle": m.receipt_handle, "VisibilityTimeout": 0}
+                        for i, m in enumerate(chunk)
+                    ],
+                )
+            except Exception as exc:  # they become visible anyway when the visibility ends
+                logger.warning(
+                    "could not release DLQ messages; they reappear after the visibility timeout",
+                    extra=log_extra(
+                        action="ops.dlq_release_failed", queue=self.queue, error_code=error_code(exc)
+                    ),
+                )
+
+    def _handle(self, message: Received) -> str:
+        held = self._held.get(message.letter.message_id)
+        return held.receipt_handle if held is not None else message.receipt_handle
+
+
+def list_dead_letters(
+    client: Any,
+    settings: OutboxSettings,
+    filters: DeadLetterFilter,
+    *,
+    connection: Connection | None = None,
+    limit: int | None = None,
+    visibility_seconds: int = LIST_VISIBILITY_SECONDS,
+    max_messages: int = DEFAULT_MAX_MESSAGES,
+) -> DeadLetterListing:
+    """The DLQ messages matching ``filters``; nothing is deleted.
+
+    Args:
+        client: boto3 SQS client.
+        settings: Queue names (``queue_prefix``).
+        filters: See :class:`DeadLetterFilter`.
+        connection: When given, each message's ``run_status`` is read from ``task_runs``.
+        limit: Most messages returned (after filtering; oldest kept first per queue).
+        visibility_seconds: How long messages stay hidden during the scan.
+        max_messages: Most messages received per DLQ.
+
+    Raises:
+        botocore.exceptions.ClientError: SQS failed (a missing DLQ is reported in
+            :attr:`DeadLetterListing.missing_queues` instead).
+    """
+    directory = QueueDirectory(client, settings)
+    listing = DeadLetterListing(letters=[], scanned={}, missing_queues=[])
+    for queue in filters.scanned_queues():
+        try:
+            with DeadLetterScan(
+                client, directory, queue, visibility_seconds=visibility_seconds, max_messages=max_messages
+            ) as scan:
+                letters = [r.letter for batch in scan.batches() for r in batch if filters.matches(r.letter)]
+                listing.scanned[queue] = scan.received
+                listing.truncated = listing.truncated or scan.truncated
+        except Exception as exc:
+            if not is_missing_queue(exc):
+                raise
+            listing.missing_queues.append(settings.dlq_url_name(queue))
+            continue
+        letters.sort(key=lambda letter: -(letter.age_seconds or 0.0))
+        listing.letters.extend(letters)
+    if limit is not None and len(listing.letters) > limit:
+        listing.letters = listing.letters[:limit]
+        listing.truncated = True
+    if connection is not None:
+        statuses = statuses_of(connection, [x.run_id for x in listing.letters if x.run_id is not None])
+        listing.letters = [
+            dataclasses.replace(x, run_status=statuses.get(x.run_id)) if x.run_id else x
+            for x in listing.letters
+        ]
+    return listing

@@ -1,0 +1,182 @@
+"""``sqla-outbox runs show|list``: one run with its trail, or the runs matching filters.
+
+Read-only. Ages and age filters use the database clock (``clock_timestamp()``), so a
+skewed operator laptop never shifts them. Age filters apply to ``created_at`` (when the
+run was dispatched).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from sqla_outbox import errors
+from sqla_outbox.models import task_run_trail, task_runs
+
+DEFAULT_LIMIT = 50
+
+
+RunNotFound = errors.RunNotFound
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """A ``task_runs`` row (see :class:`sqla_outbox.models.TaskRun` for each column),
+    plus ``age_seconds``: database now minus ``created_at``."""
+
+    run_id: uuid.UUID
+    task: str
+    event: str | None
+    queue: str
+    tenant_id: int | None
+    status: str
+    idempotency_key: str | None
+    attempts: int
+    available_at: dt.datetime
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    lease_owner: str | None
+    lease_expires_at: dt.datetime | None
+    last_error_type: str | None
+    last_error: str | None
+    dead_lettered_at: dt.datetime | None
+    age_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TrailEntry:
+    """A ``task_run_trail`` row (see :class:`sqla_outbox.models.TaskRunTrail`).
+
+    ``traceback`` is None unless asked for (it can be 4,000 characters per entry).
+    """
+
+    id: int
+    at: dt.datetime
+    status: str
+    attempt: int | None
+    receive_count: int | None
+    worker_id: str | None
+    error_type: str | None
+    error_message: str | None
+    traceback: str | None
+    detail: dict[str, Any] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDetail:
+    """A run and its whole trail, oldest event first."""
+
+    run: RunRecord
+    trail: list[TrailEntry]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFilter:
+    """Filters of ``runs list``; every given filter must match (AND).
+
+    Attributes:
+        tasks: Task names (any of). statuses: Run statuses (any of).
+        queues: Logical queues (any of).
+        tenant_id: A tenant id; ``"platform"`` selects runs without a tenant; None: any.
+        older_than: Only runs created longer ago than this.
+        newer_than: Only runs created more recently than this.
+        limit: Most runs returned, newest first.
+    """
+
+    tasks: tuple[str, ...] = ()
+    statuses: tuple[str, ...] = ()
+    queues: tuple[str, ...] = ()
+    tenant_id: int | str | None = None
+    older_than: dt.timedelta | None = None
+    newer_than: dt.timedelta | None = None
+    limit: int = DEFAULT_LIMIT
+
+
+_NOW = sa.func.clock_timestamp(type_=sa.DateTime(timezone=True))
+_AGE = sa.cast(sa.extract("epoch", _NOW - task_runs.c.created_at), sa.Float).label("age_seconds")
+
+
+def _record(row: Any) -> RunRecord:
+    return RunRecord(**{f.name: getattr(row, f.name) for f in dataclasses.fields(RunRecord)})
+
+
+def get_run(connection: Connection, run_id: uuid.UUID, *, with_traceback: bool = False) -> RunDetail:
+    """The run ``run_id`` and its trail.
+
+    Args:
+        connection: Connection to the outbox database.
+        run_id: The run.
+        with_traceback: Include each trail entry's traceback excerpt.
+
+    Raises:
+        RunNotFound: No such run.
+    """
+    row = connection.execute(sa.select(task_runs, _AGE).where(task_runs.c.run_id == run_id)).one_or_none()
+    if row is None:
+        raise RunNotFound(run_id)
+    trail = [
+        TrailEntry(
+            id=t.id,
+            at=t.at,
+            status=t.status,
+            attempt=t.attempt,
+            receive_count=t.receive_count,
+            worker_id=t.worker_id,
+            error_type=t.error_type,
+            error_message=t.error_message,
+            traceback=t.traceback if with_traceback else None,
+            detail=t.detail,
+        )
+        for t in connection.execute(
+            sa.select(task_run_trail).where(task_run_trail.c.run_id == run_id).order_by(task_run_trail.c.id)
+        )
+    ]
+    return RunDetail(run=_record(row), trail=trail)
+
+
+def list_runs(connection: Connection, filters: RunFilter) -> list[RunRecord]:
+    """Runs matching ``filters``, newest ``created_at`` first, at most ``filters.limit``.
+
+    Raises:
+        ConfigurationError: ``limit`` is below 1 or ``tenant_id`` is neither an integer
+            nor ``"platform"``.
+    """
+    if filters.limit < 1:
+        raise errors.ConfigurationError("must be >= 1", option="--limit")
+    query = sa.select(task_runs, _AGE)
+    if filters.tasks:
+        query = query.where(task_runs.c.task.in_(list(filters.tasks)))
+    if filters.statuses:
+        query = query.where(task_runs.c.status.in_(list(filters.statuses)))
+    if filters.queues:
+        query = query.where(task_runs.c.queue.in_(list(filters.queues)))
+    if filters.tenant_id == "platform":
+        query = query.where(task_runs.c.tenant_id.is_(None))
+    elif isinstance(filters.tenant_id, int):
+        query = query.where(task_runs.c.tenant_id == filters.tenant_id)
+    elif filters.tenant_id is not None:
+        raise errors.ConfigurationError("must be a tenant id or 'platform'", option="--tenant")
+    if filters.older_than is not None:
+        query = query.where(task_runs.c.created_at < _NOW - filters.older_than)
+    if filters.newer_than is not None:
+        query = query.where(task_runs.c.created_at > _NOW - filters.newer_than)
+    query = query.order_by(task_runs.c.created_at.desc(), task_runs.c.run_id).limit(filters.limit)
+    return [_record(row) for row in connection.execute(query)]
+
+
+def statuses_of(connection: Connection, run_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, str]:
+    """``{run_id: status}`` for the runs that exist among ``run_ids``."""
+    if not run_ids:
+        return {}
+    rows = connection.execute(
+        sa.select(task_runs.c.run_id, task_runs.c.status).where(task_runs.c.run_id.in_(list(run_ids)))
+    )
+    return {row.run_id: str(row.status) for row in rows}

@@ -1,0 +1,277 @@
+"""``sqla-outbox status``: what is waiting, what is running, what is stuck, how deep the queues are.
+
+Four readings, each a small query or API call:
+
+* **pending outbox rows** per table and queue (:func:`pending_rows`): how many, how many
+  are already due, the age of the oldest one (since ``created_at``) and how late the
+  oldest due one is (since ``available_at``: the relay's lag, the number to alert on);
+* **runs by status** (:func:`runs_by_status`): every status, zeros included;
+* **stale running runs** (:func:`stale_running`): ``running`` runs whose lease expired
+  more than ``stale_after`` ago. A live worker renews its lease with the heartbeat, and a
+  dead worker's message comes back after one visibility timeout (the lease length), so a
+  lease expired for much longer means the message is gone (deleted, or moved by the SQS
+  redrive without the run being told). They are flagged, never changed;
+* **SQS depths** (:func:`queue_depths`): ``ApproximateNumberOfMessages`` (visible),
+  ``...NotVisible`` (in flight) and ``...Delayed`` for each source queue and DLQ. SQS
+  documents these as approximate (eventually consistent, about a minute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import Float, Integer, bindparam, text
+from sqlalchemy.engine import Connection
+
+from sqla_outbox.config import OutboxSettings
+from sqla_outbox.sqs.client import error_code
+from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
+
+DEFAULT_STALE_AFTER_SECONDS = 900.0
+"""A lease expired this long ago (15 min, the longest queue visibility) flags the run."""
+
+_PENDING = text(
+    """
+SELECT 'outbox_messages' AS tbl, queue, count(*) AS pending,
+       count(*) FILTER (WHERE available_at <= clock_timestamp()) AS due,
+       EXTRACT(EPOCH FROM clock_timestamp() - min(created_at))::float8 AS oldest_age,
+       EXTRACT(EPOCH FROM clock_timestamp()
+           - min(available_at) FILTER (WHERE available_at <= clock_timestamp()))::float8 AS due_age,
+       max(attempts) AS max_attempts
+FROM outbox_messages WHERE sent_at IS NULL GROUP BY queue
+UNION ALL
+SELECT 'platform_outbox_messages', queue, count(*),
+       count(*) FILTER (WHERE available_at <= clock_timestamp()),
+       EXTRACT(EPOCH FROM clock_timestamp() - min(created_at))::float8,
+       EXTRACT(EPOCH FROM clock_timestamp()
+           - min(available_at) FILTER (WHERE available_at <= clock_timestamp()))::float8,
+       max(attempts)
+FROM platform_outbox_messages WHERE sent_at IS NULL GROUP BY queue
+ORDER BY 1, 2
+"""
+)
+_BY_STATUS = text("SELECT status, count(*) AS n FROM task_runs GROUP BY status")
+_STALE_WHERE = """
+status = 'running'
+AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp() - make_interval(secs => :stale))
+"""
+_STALE = text(
+    f"""
+SELECT run_id, task, queue, tenant_id, lease_owner, attempts,
+       EXTRACT(EPOCH FROM clock_timestamp() - lease_expires_at)::float8 AS expired_for
+FROM task_runs WHERE {_STALE_WHERE}
+ORDER BY lease_expires_at NULLS FIRST
+LIMIT :limit
+"""
+).bindparams(bindparam("stale", type_=Float), bindparam("limit", type_=Integer))
+_STALE_COUNT = text(f"SELECT count(*) FROM task_runs WHERE {_STALE_WHERE}").bindparams(
+    bindparam("stale", type_=Float)
+)
+_DEPTH_ATTRIBUTES = (
+    "ApproximateNumberOfMessages",
+    "ApproximateNumberOfMessagesNotVisible",
+    "ApproximateNumberOfMessagesDelayed",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingRows:
+    """Unsent rows of one outbox table and queue.
+
+    Attributes:
+        table: ``outbox_messages`` or ``platform_outbox_messages``.
+        queue: Logical queue.
+        pending: Rows with ``sent_at IS NULL`` (including delayed ones).
+        due: Of those, rows whose ``available_at`` has passed (the relay should send them).
+        oldest_pending_age_seconds: Now minus the oldest pending row's ``created_at``.
+        oldest_due_age_seconds: Now minus the oldest due row's ``available_at`` (how late
+            the relay is); None when nothing is due.
+        max_attempts: Most failed send attempts among the pending rows.
+    """
+
+    table: str
+    queue: str
+    pending: int
+    due: int
+    oldest_pending_age_seconds: float
+    oldest_due_age_seconds: float | None
+    max_attempts: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StaleRun:
+    """A ``running`` run whose lease expired long ago.
+
+    Attributes:
+        run_id / task / queue / tenant_id: The run.
+        lease_owner: The worker that last held it.
+        attempts: Attempts started.
+        lease_expired_seconds_ago: Seconds since the lease expired (None: no lease).
+    """
+
+    run_id: str
+    task: str
+    queue: str
+    tenant_id: int | None
+    lease_owner: str | None
+    attempts: int
+    lease_expired_seconds_ago: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueDepth:
+    """Approximate message counts of one SQS queue.
+
+    Attributes:
+        queue: Logical queue. name: SQS queue name. dead_letter: True for the DLQ.
+        visible / not_visible / delayed: ``ApproximateNumberOfMessages``,
+            ``...NotVisible`` (received, in flight), ``...Delayed``; None when the
+            queue could not be read.
+        error: SQS error code when the queue could not be read (e.g.
+            ``AWS.SimpleQueueService.NonExistentQueue``: not provisioned).
+    """
+
+    queue: str
+    name: str
+    dead_letter: bool
+    visible: int | None = None
+    not_visible: int | None = None
+    delayed: int | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusReport:
+    """Everything ``sqla-outbox status`` shows.
+
+    Attributes:
+        database_time: Database clock when the report was taken (UTC).
+        pending: :class:`PendingRows` per table and queue that has pending rows.
+        runs_by_status: Count per status, every status present (0 when none).
+        stale_after_seconds: Threshold used for stale running runs.
+        stale_running_count: How many ``running`` runs are stale.
+        stale_running: Up to ``stale_limit`` of them, longest expired first.
+        queues: Depth of every source queue and DLQ; None when SQS was not asked.
+    """
+
+    database_time: dt.datetime
+    pending: list[PendingRows]
+    runs_by_status: dict[str, int]
+    stale_after_seconds: float
+    stale_running_count: int
+    stale_running: list[StaleRun]
+    queues: list[QueueDepth] | None
+
+
+def pending_rows(connection: Connection) -> list[PendingRows]:
+    """Pending rows per table and queue (only pairs that have some), sorted by table, queue."""
+    return [
+        PendingRows(
+            table=r.tbl,
+            queue=r.queue,
+            pending=int(r.pending),
+            due=int(r.due),
+            oldest_pending_age_seconds=float(r.oldest_age),
+            oldest_due_age_seconds=None if r.due_age is None else float(r.due_age),
+            max_attempts=int(r.max_attempts),
+        )
+        for r in connection.execute(_PENDING)
+    ]
+
+
+def runs_by_status(connection: Connection) -> dict[str, int]:
+    """``{status: count}`` for every status of :data:`~sqla_outbox.types.RUN_STATUSES`."""
+    counts = dict.fromkeys(RUN_STATUSES, 0)
+    for row in connection.execute(_BY_STATUS):
+        counts[str(row.status)] = int(row.n)
+    return counts
+
+
+def stale_running(
+    connection: Connection, *, stale_after_seconds: float, limit: int = 20
+) -> tuple[int, list[StaleRun]]:
+    """``running`` runs whose lease expired more than ``stale_after_seconds`` ago.
+
+    Returns:
+        ``(total count, up to limit runs, longest expired first)``.
+    """
+    params = {"stale": stale_after_seconds}
+    total = int(connection.execute(_STALE_COUNT, params).scalar_one())
+    runs = [
+        StaleRun(
+            run_id=str(r.run_id),
+            task=r.task,
+            queue=r.queue,
+            tenant_id=r.tenant_id,
+            lease_owner=r.lease_owner,
+            attempts=int(r.attempts),
+            lease_expired_seconds_ago=None if r.expired_for is None else float(r.expired_for),
+        )
+        for r in connection.execute(_STALE, {**params, "limit": limit})
+    ]
+    return total, runs
+
+
+def queue_depths(client: Any, settings: OutboxSettings) -> list[QueueDepth]:
+    """Approximate depths of the four source queues and their DLQs (never raises for SQS
+    errors: they are reported per queue in :attr:`QueueDepth.error`)."""
+    depths: list[QueueDepth] = []
+    for queue in QUEUE_NAMES:
+        for name, dead_letter in (
+            (settings.queue_url_name(queue), False),
+            (settings.dlq_url_name(queue), True),
+        ):
+            try:
+                url = client.get_queue_url(QueueName=name)["QueueUrl"]
+                attributes = client.get_queue_attributes(
+                    QueueUrl=url, AttributeNames=list(_DEPTH_ATTRIBUTES)
+                )["Attributes"]
+            except Exception as exc:  # reported per queue; the other readings still matter
+                depths.append(QueueDepth(queue, name, dead_letter, error=error_code(exc)))
+                continue
+            depths.append(
+                QueueDepth(
+                    queue,
+                    name,
+                    dead_letter,
+                    visible=int(attributes.get("ApproximateNumberOfMessages", 0)),
+                    not_visible=int(attributes.get("ApproximateNumberOfMessagesNotVisible", 0)),
+                    delayed=int(attributes.get("ApproximateNumberOfMessagesDelayed", 0)),
+                )
+            )
+    return depths
+
+
+def collect(
+    connection: Connection,
+    settings: OutboxSettings,
+    *,
+    client: Any = None,
+    stale_after_seconds: float = DEFAULT_STALE_AFTER_SECONDS,
+    stale_limit: int = 20,
+) -> StatusReport:
+    """Take the whole report.
+
+    Args:
+        connection: Connection to the outbox database (read-only queries).
+        settings: Queue names come from ``queue_prefix``.
+        client: boto3 SQS client; None skips the SQS depths.
+        stale_after_seconds: See :func:`stale_running`.
+        stale_limit: Most stale runs listed.
+
+    Raises:
+        sqlalchemy.exc.DBAPIError: The database could not be read.
+    """
+    database_time: dt.datetime = connection.execute(text("SELECT clock_timestamp()")).scalar_one()
+    count, stale = stale_running(connection, stale_after_seconds=stale_after_seconds, limit=stale_limit)
+    return StatusReport(
+        database_time=database_time,
+        pending=pending_rows(connection),
+        runs_by_status=runs_by_status(connection),
+        stale_after_seconds=stale_after_seconds,
+        stale_running_count=count,
+        stale_running=stale,
+        queues=None if client is None else queue_depths(client, settings),
+    )

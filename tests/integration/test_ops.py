@@ -1,0 +1,700 @@
+"""The operations modules (status, runs, dlq, requeue) against real PostgreSQL, Redis and moto SQS.
+
+Failed runs are produced with the worker's own code path (take the lease, mark failed,
+dead-letter with the error context, record the DLQ send), not with hand-made rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from sqla_outbox import Dispatch, envelope
+from sqla_outbox.config import OutboxSettings
+from sqla_outbox.ops import dlq, requeue, runs, status
+from sqla_outbox.relay import Relay
+from sqla_outbox.sqs.client import QueueDirectory
+from sqla_outbox.wakeup import Waker
+from sqla_outbox.worker import runs as worker_runs
+from sqla_outbox.worker.outcome import Outcomes
+from tests.support import receive_all, run_row, trail
+
+SECRET = "s3cr3t-card-4242"
+
+
+@pytest.fixture
+def ops_settings(settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]) -> OutboxSettings:
+    return settings.replace(sqs_endpoint_url=sqs_endpoint)
+
+
+@pytest.fixture
+def relay(ops_settings: OutboxSettings, engine: sa.Engine) -> Iterator[Relay]:
+    relay = Relay(ops_settings, engine=engine)
+    yield relay
+    relay.sender.close()
+
+
+@pytest.fixture
+def waker(ops_settings: OutboxSettings) -> Iterator[Waker]:
+    waker = Waker(ops_settings)
+    yield waker
+    waker.close()
+
+
+def dispatch(app: sessionmaker[Session], task: str, payload: dict[str, Any], **options: Any) -> uuid.UUID:
+    with app() as session, session.begin():
+        item = Dispatch(task, payload, **options)
+        session.add(item)
+    assert item.resolved_run_id is not None
+    return item.resolved_run_id
+
+
+def fail_into_dlq(
+    engine: sa.Engine,
+    sqs: Any,
+    settings: OutboxSettings,
+    queue: str,
+    run_ids: set[uuid.UUID],
+    *,
+    failed_at: dt.datetime | dict[uuid.UUID, dt.datetime] | None = None,
+) -> dict[uuid.UUID, dict[str, Any]]:
+    """Receive the runs' messages from ``queue`` and take the worker's permanent path.
+
+    ``failed_at`` (one time, or one per run) backdates the DLQ ``failed_at`` attribute.
+    Returns the original SQS message of each run.
+    """
+    directory = QueueDirectory(sqs, settings)
+    outcomes = Outcomes(sqs, directory, max_message_bytes=settings.max_message_bytes)
+    found: dict[uuid.UUID, dict[str, Any]] = {}
+    for message in receive_all(sqs, directory.url(queue), expect=len(run_ids), timeout=10):
+        env = envelope.decode(message["Body"], max_bytes=settings.max_message_bytes)
+        if env.run_id not in run_ids:
+            continue
+        with engine.begin() as conn:
+            claim = worker_runs.take_lease(
+                conn,
+                run_id=env.run_id,
+                task=env.task,
+                tenant_id=env.tenant_id,
+                worker_id="test-worker",
+                lease_seconds=60,
+                receive_count=1,
+            )
+            attempt = worker_runs.Attempt(env.run_id, claim.attempt, 1, "test-worker")
+            failure = worker_runs.Failure(
+                "ValueError", "order 7 has no lines", "Traceback ...\nValueError: order 7"
+            )
+            assert worker_runs.mark_failed(conn, attempt, failure, reason="permanent-error")
+        context = {
+            "reason": "permanent-error",
+            "error_type": "ValueError",
+            "error_message": "order 7 has no lines",
+            "failed_at": (
+                (failed_at.get(env.run_id) if isinstance(failed_at, dict) else failed_at)
+                or dt.datetime.now(dt.UTC)
+            ).isoformat(timespec="milliseconds"),
+            "receive_count": "1",
+            "source_queue": queue,
+            "worker_id": "test-worker",
+        }
+        dlq_url = outcomes.dead_letter(
+            queue, message["ReceiptHandle"], message["Body"], message["MessageAttributes"], context
+        )
+        with engine.begin() as conn:
+            worker_runs.mark_dead_lettered(
+                conn, env.run_id, receive_count=1, worker_id="test-worker", dlq=dlq_url.rsplit("/", 1)[-1]
+            )
+        found[env.run_id] = message
+    assert set(found) == run_ids
+    return found
+
+
+def outbox_row(engine: sa.Engine, run_id: uuid.UUID) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(
+            sa.text(
+                "SELECT 'tenant' AS kind, run_id, queue, envelope, sent_at, attempts, available_at "
+                "FROM outbox_messages WHERE run_id = :r UNION ALL "
+                "SELECT 'platform', run_id, queue, envelope, sent_at, attempts, available_at "
+                "FROM platform_outbox_messages WHERE run_id = :r"
+            ),
+            {"r": run_id},
+        ).one_or_none()
+
+
+def execute(engine: sa.Engine, sql: str, **params: Any) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text(sql), params)
+
+
+def visible_messages(sqs: Any, url: str, expect: int | None = None) -> list[dict[str, Any]]:
+    """Receive (and hide) what is visible now; the scans above must have released it."""
+    return receive_all(sqs, url, expect=expect, timeout=5)
+
+
+# --- status --------------------------------------------------------------------------------
+
+
+def test_status_reports_pending_rows_runs_stale_leases_and_queue_depths(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+) -> None:
+    late = dispatch(app, "audit", {"n": 1})
+    dispatch(app, "audit", {"n": 2})
+    dispatch(app, "audit", {"n": 3}, tenant_id=3, delay=dt.timedelta(hours=1))
+    charge = dispatch(app, "charge_card", {"n": 4}, tenant_id=1)
+    execute(
+        engine,
+        "UPDATE platform_outbox_messages SET created_at = clock_timestamp() - interval '2 hours', "
+        "available_at = clock_timestamp() - interval '1 hour' WHERE run_id = :r",
+        r=late,
+    )
+    stale = dispatch(app, "send_welcome", {"n": 5})
+    fresh = dispatch(app, "send_welcome", {"n": 6})
+    execute(
+        engine,
+        "UPDATE task_runs SET status = 'running', lease_owner = 'host:1', "
+        "lease_expires_at = clock_timestamp() - interval '1 hour' WHERE run_id = :r",
+        r=stale,
+    )
+    execute(
+        engine,
+        "UPDATE task_runs SET status = 'running', lease_owner = 'host:2', "
+        "lease_expires_at = clock_timestamp() - interval '1 minute' WHERE run_id = :r",
+        r=fresh,
+    )
+    execute(engine, "UPDATE task_runs SET status = 'succeeded' WHERE run_id = :r", r=charge)
+    for _ in range(2):
+        sqs.send_message(QueueUrl=queues["default-dlq"], MessageBody="{}")
+    sqs.send_message(QueueUrl=queues["critical"], MessageBody="{}")
+
+    with engine.connect() as conn:
+        report = status.collect(conn, ops_settings, client=sqs, stale_after_seconds=900)
+
+    pending = {(p.table, p.queue): p for p in report.pending}
+    assert set(pending) == {
+        ("outbox_messages", "critical"),
+        ("outbox_messages", "default"),
+        ("platform_outbox_messages", "default"),
+    }
+    platform = pending[("platform_outbox_messages", "default")]
+    assert (platform.pending, platform.due, platform.max_attempts) == (4, 4, 0)
+    assert platform.oldest_pending_age_seconds == pytest.approx(7200, abs=30)
+    assert platform.oldest_due_age_seconds == pytest.approx(3600, abs=30)
+    delayed = pending[("outbox_messages", "default")]
+    assert (delayed.pending, delayed.due, delayed.oldest_due_age_seconds) == (1, 0, None)
+    assert report.runs_by_status == {"queued": 3, "running": 2, "retrying": 0, "succeeded": 1, "failed": 0}
+    assert report.stale_running_count == 1
+    [flagged] = report.stale_running
+    assert (flagged.run_id, flagged.lease_owner) == (str(stale), "host:1")
+    assert flagged.lease_expired_seconds_ago == pytest.approx(3600, abs=30)
+    assert report.queues is not None and len(report.queues) == 8
+    depths = {(q.queue, q.dead_letter): q for q in report.queues}
+    assert all(q.error is None for q in report.queues)
+    assert depths[("default", True)].visible == 2
+    assert depths[("critical", False)].visible == 1
+    assert depths[("bulk", False)].visible == 0 and depths[("default", True)].not_visible == 0
+
+
+def test_queue_depths_report_missing_queues_instead_of_raising(
+    ops_settings: OutboxSettings, sqs: Any
+) -> None:
+    depths = status.queue_depths(sqs, ops_settings.replace(queue_prefix="never-provisioned-"))
+    assert len(depths) == 8
+    assert all(d.visible is None and d.error and "NonExistentQueue" in d.error for d in depths)
+
+
+# --- runs ----------------------------------------------------------------------------------
+
+
+def test_get_run_returns_the_run_and_its_whole_trail(
+    app: sessionmaker[Session], engine: sa.Engine, ops_settings: OutboxSettings, sqs: Any, relay: Relay
+) -> None:
+    run_id = dispatch(app, "charge_card", {"card": SECRET}, tenant_id=5)
+    relay.run_once()
+    fail_into_dlq(engine, sqs, ops_settings, "critical", {run_id})
+
+    with engine.connect() as conn:
+        detail = runs.get_run(conn, run_id)
+        with_tb = runs.get_run(conn, run_id, with_traceback=True)
+
+    assert (detail.run.run_id, detail.run.task, detail.run.tenant_id) == (run_id, "charge_card", 5)
+    assert (detail.run.status, detail.run.attempts, detail.run.last_error_type) == ("failed", 1, "ValueError")
+    assert detail.run.dead_lettered_at is not None and detail.run.age_seconds >= 0
+    assert [(t.status, t.attempt, t.worker_id) for t in detail.trail] == [
+        ("running", 1, "test-worker"),
+        ("failed", 1, "test-worker"),
+        ("failed", None, "test-worker"),
+    ]
+    failed = detail.trail[1]
+    assert (failed.error_type, failed.error_message) == ("ValueError", "order 7 has no lines")
+    assert failed.detail == {"reason": "permanent-error"}
+    assert detail.trail[2].detail == {"dead_lettered": True, "dlq": ops_settings.dlq_url_name("critical")}
+    assert all(t.traceback is None for t in detail.trail)
+    assert with_tb.trail[1].traceback is not None and "ValueError" in with_tb.trail[1].traceback
+
+
+def test_get_run_of_an_unknown_run_raises_run_not_found(engine: sa.Engine) -> None:
+    missing = uuid.uuid4()
+    with engine.connect() as conn, pytest.raises(runs.RunNotFound) as caught:
+        runs.get_run(conn, missing)
+    assert caught.value.run_id == missing and str(missing) in str(caught.value)
+
+
+def test_list_runs_filters_by_task_status_tenant_queue_and_age(
+    app: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    audit = dispatch(app, "audit", {})
+    charge_1 = dispatch(app, "charge_card", {}, tenant_id=1)
+    charge_2 = dispatch(app, "charge_card", {}, tenant_id=2)
+    welcome_1 = dispatch(app, "send_welcome", {}, tenant_id=1)
+    execute(
+        engine, "UPDATE task_runs SET created_at = created_at - interval '3 hours' WHERE run_id = :r", r=audit
+    )
+    execute(
+        engine,
+        "UPDATE task_runs SET created_at = created_at - interval '2 days' WHERE run_id = :r",
+        r=charge_1,
+    )
+    execute(
+        engine, "UPDATE task_runs SET status = 'failed' WHERE run_id IN (:a, :b)", a=charge_1, b=welcome_1
+    )
+
+    def ids(**filters: Any) -> list[uuid.UUID]:
+        with engine.connect() as conn:
+            return [r.run_id for r in runs.list_runs(conn, runs.RunFilter(**filters))]
+
+    assert ids() == [welcome_1, charge_2, audit, charge_1]  # newest first
+    assert ids(tasks=("charge_card",)) == [charge_2, charge_1]
+    assert ids(statuses=("failed",)) == [welcome_1, charge_1]
+    assert ids(tenant_id=1) == [welcome_1, charge_1]
+    assert ids(tenant_id="platform") == [audit]
+    assert ids(queues=("critical",)) == [charge_2, charge_1]
+    assert ids(older_than=dt.timedelta(hours=1)) == [audit, charge_1]
+    assert ids(newer_than=dt.timedelta(days=1)) == [welcome_1, charge_2, audit]
+    assert ids(older_than=dt.timedelta(hours=1), newer_than=dt.timedelta(days=1)) == [audit]
+    assert ids(tasks=("charge_card",), statuses=("failed",), tenant_id=1) == [charge_1]
+    assert ids(limit=2) == [welcome_1, charge_2]
+    with engine.connect() as conn:
+        [record] = runs.list_runs(conn, runs.RunFilter(tenant_id="platform"))
+    assert record.age_seconds == pytest.approx(3 * 3600, abs=60)
+
+
+# --- dlq list ------------------------------------------------------------------------------
+
+
+def test_list_dead_letters_shows_metadata_never_payloads_and_leaves_the_messages(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+) -> None:
+    audit = dispatch(app, "audit", {"card": SECRET})
+    charge = dispatch(app, "charge_card", {"card": SECRET}, tenant_id=5)
+    relay.run_once()
+    two_hours_ago = dt.datetime.now(dt.UTC) - dt.timedelta(hours=2)
+    fail_into_dlq(engine, sqs, ops_settings, "default", {audit}, failed_at=two_hours_ago)
+    fail_into_dlq(engine, sqs, ops_settings, "critical", {charge})
+    sqs.send_message(QueueUrl=queues["bulk-dlq"], MessageBody="not json " + SECRET)
+    ghost = uuid.uuid4()
+    sqs.send_message(  # what the SQS redrive moves: original attributes only, no verdict
+        QueueUrl=queues["bulk-dlq"],
+        MessageBody=json.dumps({"v": 1, "run_id": str(ghost), "task": "index_user", "payload": SECRET}),
+        MessageAttributes=envelope.message_attributes(ghost, "index_user", 9),
+    )
+
+    with engine.connect() as conn:
+        listing = dlq.list_dead_letters(sqs, ops_settings, dlq.DeadLetterFilter(), connection=conn)
+
+    assert listing.missing_queues == [] and not listing.truncated
+    assert listing.scanned == {"critical": 1, "default": 1, "bulk": 2, "maintenance": 0}
+    by_run = {x.run_id: x for x in listing.letters}
+    assert set(by_run) == {audit, charge, ghost, None}
+    assert dataclasses.asdict(by_run[charge]) | {
+        "failed_at": None,
+        "age_seconds": None,
+        "message_id": None,
+    } == {
+        "queue": "critical",
+        "dlq": ops_settings.dlq_url_name("critical"),
+        "message_id": None,
+        "run_id": charge,
+        "task": "charge_card",
+        "tenant_id": 5,
+        "reason": "permanent-error",
+        "error_type": "ValueError",
+        "receive_count": 1,
+        "failed_at": None,
+        "age_seconds": None,
+        "run_status": "failed",
+    }
+    assert by_run[audit].age_seconds == pytest.approx(7200, abs=60)
+    assert (by_run[audit].tenant_id, by_run[audit].run_status) == (None, "failed")
+    assert (by_run[ghost].reason, by_run[ghost].tenant_id, by_run[ghost].run_status) == (
+        dlq.REDRIVE_REASON,
+        9,
+        None,
+    )
+    assert (by_run[None].task, by_run[None].reason) == (None, dlq.REDRIVE_REASON)
+    assert SECRET not in repr(listing) and SECRET not in json.dumps(dataclasses.asdict(listing), default=str)
+
+    def select(**filters: Any) -> set[uuid.UUID | None]:
+        found = dlq.list_dead_letters(sqs, ops_settings, dlq.DeadLetterFilter(**filters))
+        return {x.run_id for x in found.letters}
+
+    assert select(tasks=("charge_card",)) == {charge}
+    assert select(queues=("bulk",)) == {ghost, None}
+    assert select(older_than=dt.timedelta(hours=1)) == {audit}
+    assert select(queues=("default", "critical"), older_than=dt.timedelta(minutes=1)) == {audit}
+    # nothing was deleted, and every scan released what it received
+    assert len(visible_messages(sqs, queues["bulk-dlq"], expect=2)) == 2
+    assert len(visible_messages(sqs, queues["default-dlq"], expect=1)) == 1
+
+
+# --- dlq requeue ---------------------------------------------------------------------------
+
+
+def test_requeue_puts_a_failed_run_back_through_the_outbox_then_wakes_and_deletes(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+    waker: Waker,
+    valkey: redis.Redis,
+) -> None:
+    run_id = dispatch(app, "audit", {"card": SECRET}, tenant_id=3)
+    relay.run_once()
+    fail_into_dlq(engine, sqs, ops_settings, "default", {run_id})
+    before = outbox_row(engine, run_id)
+    assert before.sent_at is not None
+    valkey.delete(ops_settings.wake_key)  # the dispatch's own wake
+
+    report = requeue.requeue(engine, sqs, ops_settings, dlq.DeadLetterFilter(tasks=("audit",)), waker=waker)
+
+    [item] = report.items
+    assert (item.run_id, item.action, item.source, item.outbox, item.dlq_deleted) == (
+        run_id,
+        "requeued",
+        "dlq",
+        "reset",
+        1,
+    )
+    assert (report.requeued, report.skipped, report.woke) == (1, 0, True)
+    assert valkey.llen(ops_settings.wake_key) == 1
+    run = run_row(engine, run_id)
+    assert (run.status, run.attempts, run.last_error_type) == ("queued", 1, "ValueError")
+    assert (run.finished_at, run.dead_lettered_at, run.lease_owner, run.lease_expires_at) == (None,) * 4
+    row = outbox_row(engine, run_id)
+    assert (row.kind, row.sent_at, row.attempts) == ("tenant", None, 0)
+    assert row.envelope == before.envelope
+    steps = trail(engine, run_id)
+    assert [t.status for t in steps] == ["running", "failed", "failed", "queued"]
+    assert steps[-1].attempt == 1 and steps[-1].worker_id.startswith("operator:")
+    assert steps[-1].detail == {
+        "requeued_by": "operator",
+        "from": "failed",
+        "source": "dlq",
+        "outbox": "reset",
+        "dlq": ops_settings.dlq_url_name("default"),
+        "dlq_message_id": item.dlq_message_ids[0],
+        "dlq_reason": "permanent-error",
+    }
+    assert visible_messages(sqs, queues["default-dlq"]) == []
+
+    assert relay.run_once().sent == 1  # the relay sends it again, same run
+    [again] = receive_all(sqs, queues["default"], expect=1, timeout=10)
+    assert json.loads(again["Body"])["run_id"] == str(run_id)
+
+
+def test_dry_run_reports_the_same_decisions_and_changes_nothing(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+    valkey: redis.Redis,
+) -> None:
+    first = dispatch(app, "audit", {})
+    second = dispatch(app, "audit", {}, tenant_id=2)
+    relay.run_once()
+    fail_into_dlq(engine, sqs, ops_settings, "default", {first, second})
+    execute(engine, "DELETE FROM outbox_messages WHERE run_id = :r", r=second)  # purged
+    runs_before = {r: run_row(engine, r) for r in (first, second)}
+    trails_before = {r: len(trail(engine, r)) for r in (first, second)}
+    valkey.delete(ops_settings.wake_key)
+
+    report = requeue.requeue(
+        engine, sqs, ops_settings, dlq.DeadLetterFilter(queues=("default",)), dry_run=True
+    )
+
+    assert report.dry_run and report.requeued == 2 and not report.woke
+    assert {(i.run_id, i.action, i.outbox, i.dlq_deleted) for i in report.items} == {
+        (first, "would-requeue", "reset", 0),
+        (second, "would-requeue", "recreated", 0),
+    }
+    assert {r: run_row(engine, r) for r in (first, second)} == runs_before
+    assert {r: len(trail(engine, r)) for r in (first, second)} == trails_before
+    assert outbox_row(engine, first).sent_at is not None and outbox_row(engine, second) is None
+    assert valkey.llen(ops_settings.wake_key) == 0
+    assert len(visible_messages(sqs, queues["default-dlq"], expect=2)) == 2
+
+
+def test_only_failed_runs_are_requeued_the_rest_is_skipped_with_a_reason(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+    waker: Waker,
+) -> None:
+    succeeded = dispatch(app, "audit", {})
+    queued = dispatch(app, "send_welcome", {})
+    forgotten = dispatch(app, "audit", {"n": 3})
+    relay.run_once()
+    fail_into_dlq(engine, sqs, ops_settings, "default", {succeeded, queued, forgotten})
+    execute(engine, "UPDATE task_runs SET status = 'succeeded' WHERE run_id = :r", r=succeeded)
+    execute(engine, "UPDATE task_runs SET status = 'queued', finished_at = NULL WHERE run_id = :r", r=queued)
+    execute(engine, "DELETE FROM task_runs WHERE run_id = :r", r=forgotten)
+    sqs.send_message(QueueUrl=queues["default-dlq"], MessageBody="garbage")
+
+    report = requeue.requeue(engine, sqs, ops_settings, dlq.DeadLetterFilter(), waker=waker)
+
+    items = {i.run_id: i for i in report.items}
+    assert (report.requeued, report.skipped, report.woke) == (0, 4, False)
+    assert (items[succeeded].reason, items[succeeded].detail) == (
+        "not-failed",
+        "run is succeeded; only failed runs are requeued",
+    )
+    assert (items[queued].reason, items[queued].detail) == (
+        "not-failed",
+        "run is queued; only failed runs are requeued",
+    )
+    assert items[forgotten].reason == "unknown-run"
+    assert items[None].reason == "not-a-run"
+    assert all(i.action == "skipped" and i.dlq_deleted == 0 for i in report.items)
+    assert status_and_sent(engine, succeeded) == ("succeeded", True)
+    assert len(visible_messages(sqs, queues["default-dlq"], expect=4)) == 4  # all left in place
+
+
+def status_and_sent(engine: sa.Engine, run_id: uuid.UUID) -> tuple[str, bool]:
+    return run_row(engine, run_id).status, outbox_row(engine, run_id).sent_at is not None
+
+
+def test_a_newer_unfinished_run_with_the_same_idempotency_key_blocks_the_requeue(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+    waker: Waker,
+) -> None:
+    old = dispatch(app, "charge_card", {}, tenant_id=4, idempotency_key="order-7")
+    relay.run_once()
+    fail_into_dlq(engine, sqs, ops_settings, "critical", {old})
+    newer = dispatch(app, "charge_card", {}, tenant_id=4, idempotency_key="order-7")
+    assert newer != old  # the failed run is finished, so the key was free again
+
+    report = requeue.requeue(
+        engine, sqs, ops_settings, dlq.DeadLetterFilter(run_ids=frozenset({old})), waker=waker
+    )
+
+    [item] = report.items
+    assert (item.action, item.reason) == ("skipped", "idempotency-conflict")
+    assert str(newer) in (item.detail or "")
+    assert status_and_sent(engine, old) == ("failed", True)
+    assert len(visible_messages(sqs, queues["critical-dlq"], expect=1)) == 1
+
+
+def test_a_purged_outbox_row_is_recreated_from_the_dlq_envelope(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    relay: Relay,
+    waker: Waker,
+) -> None:
+    tenant_run = dispatch(app, "audit", {"n": 1}, tenant_id=6)
+    platform_run = dispatch(app, "rebuild_cache", {"n": 2})
+    relay.run_once()
+    fail_into_dlq(engine, sqs, ops_settings, "default", {tenant_run})
+    fail_into_dlq(engine, sqs, ops_settings, "maintenance", {platform_run})
+    originals = {r: outbox_row(engine, r).envelope for r in (tenant_run, platform_run)}
+    execute(engine, "DELETE FROM outbox_messages")
+    execute(engine, "DELETE FROM platform_outbox_messages")
+
+    report = requeue.requeue(
+        engine, sqs, ops_settings, dlq.DeadLetterFilter(queues=("default", "maintenance")), waker=waker
+    )
+
+    assert {(i.run_id, i.action, i.outbox) for i in report.items} == {
+        (tenant_run, "requeued", "recreated"),
+        (platform_run, "requeued", "recreated"),
+    }
+    for run_id, kind, queue in ((tenant_run, "tenant", "default"), (platform_run, "platform", "maintenance")):
+        row = outbox_row(engine, run_id)
+        assert (row.kind, row.queue, row.sent_at, row.attempts) == (kind, queue, None, 0)
+        assert row.envelope == originals[run_id]
+        assert trail(engine, run_id)[-1].detail["outbox"] == "recreated"
+    with engine.connect() as conn:
+        tenant = conn.execute(sa.text("SELECT tenant_id FROM outbox_messages")).scalar_one()
+    assert tenant == 6
+    assert relay.run_once().sent == 2
+
+
+def test_run_id_requeues_from_the_database_when_the_dlq_message_is_gone(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+    waker: Waker,
+    valkey: redis.Redis,
+) -> None:
+    kept_row = dispatch(app, "audit", {})
+    purged_row = dispatch(app, "audit", {"n": 2})
+    other_task = dispatch(app, "send_welcome", {})
+    relay.run_once()
+    fail_into_dlq(engine, sqs, ops_settings, "default", {kept_row, purged_row, other_task})
+    sqs.purge_queue(QueueUrl=queues["default-dlq"])
+    execute(engine, "DELETE FROM platform_outbox_messages WHERE run_id = :r", r=purged_row)
+    unknown = uuid.uuid4()
+    valkey.delete(ops_settings.wake_key)
+
+    report = requeue.requeue(
+        engine,
+        sqs,
+        ops_settings,
+        dlq.DeadLetterFilter(
+            tasks=("audit",), run_ids=frozenset({kept_row, purged_row, other_task, unknown})
+        ),
+        waker=waker,
+    )
+
+    items = {i.run_id: i for i in report.items}
+    assert all(i.source == "database" and not i.dlq_message_ids for i in report.items)
+    assert (items[kept_row].action, items[kept_row].outbox) == ("requeued", "reset")
+    assert (items[purged_row].action, items[purged_row].reason) == ("skipped", "no-envelope")
+    assert (items[other_task].action, items[other_task].reason) == ("skipped", "filtered-out")
+    assert (items[unknown].action, items[unknown].reason) == ("skipped", "unknown-run")
+    assert report.woke and valkey.llen(ops_settings.wake_key) == 1
+    assert status_and_sent(engine, kept_row) == ("queued", False)
+    assert trail(engine, kept_row)[-1].detail["source"] == "database"
+    assert run_row(engine, purged_row).status == "failed" and outbox_row(engine, purged_row) is None
+
+
+def test_filters_pick_by_task_and_age_and_every_copy_of_a_requeued_run_is_deleted(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+    waker: Waker,
+) -> None:
+    old_audit = dispatch(app, "audit", {})
+    new_audit = dispatch(app, "audit", {"n": 2})
+    charge = dispatch(app, "charge_card", {}, tenant_id=1)
+    relay.run_once()
+    an_hour_ago = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
+    messages = fail_into_dlq(
+        engine, sqs, ops_settings, "default", {old_audit, new_audit}, failed_at={old_audit: an_hour_ago}
+    )
+    fail_into_dlq(engine, sqs, ops_settings, "critical", {charge}, failed_at=an_hour_ago)
+    original = messages[old_audit]
+    sqs.send_message(  # a second copy of the same run (e.g. an interrupted DLQ send, retried)
+        QueueUrl=queues["default-dlq"],
+        MessageBody=original["Body"],
+        MessageAttributes={
+            **original["MessageAttributes"],
+            "reason": {"DataType": "String", "StringValue": "completed-after-interruption"},
+            "failed_at": {"DataType": "String", "StringValue": an_hour_ago.isoformat()},
+        },
+    )
+
+    report = requeue.requeue(
+        engine,
+        sqs,
+        ops_settings,
+        dlq.DeadLetterFilter(tasks=("audit",), older_than=dt.timedelta(minutes=30)),
+        waker=waker,
+    )
+
+    [item] = report.items
+    assert (item.run_id, item.action, len(item.dlq_message_ids), item.dlq_deleted) == (
+        old_audit,
+        "requeued",
+        2,
+        2,
+    )
+    assert len(trail(engine, old_audit)) == 4  # one requeue, however many copies
+    assert run_row(engine, new_audit).status == "failed" and run_row(engine, charge).status == "failed"
+    left = visible_messages(sqs, queues["default-dlq"], expect=1)
+    assert [json.loads(m["Body"])["run_id"] for m in left] == [str(new_audit)]
+    assert len(visible_messages(sqs, queues["critical-dlq"], expect=1)) == 1
+
+
+def test_messages_the_worker_refused_unexecuted_are_never_requeued(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+    waker: Waker,
+) -> None:
+    run_id = dispatch(app, "audit", {"amount": 10}, tenant_id=2)
+    relay.run_once()
+    fail_into_dlq(engine, sqs, ops_settings, "default", {run_id})
+    execute(engine, "DELETE FROM outbox_messages WHERE run_id = :r", r=run_id)  # purged
+    genuine = json.loads(outbox_envelope_from_dlq(sqs, queues["default-dlq"]))
+    forged = {**genuine, "payload": json.dumps({"amount": 10_000})}
+    for reason in ("bad-signature", "malformed-envelope:bad-field"):
+        sqs.send_message(  # what the worker does with a forged copy naming a real run
+            QueueUrl=queues["default-dlq"],
+            MessageBody=json.dumps(forged),
+            MessageAttributes={
+                **envelope.message_attributes(run_id, "audit", 2),
+                "reason": {"DataType": "String", "StringValue": reason},
+            },
+        )
+
+    report = requeue.requeue(
+        engine, sqs, ops_settings, dlq.DeadLetterFilter(run_ids=frozenset({run_id})), waker=waker
+    )
+
+    requeued = [i for i in report.items if i.selected]
+    foreign = [i for i in report.items if i.reason == "foreign-message"]
+    assert len(requeued) == 1 and len(foreign) == 2 and len(report.items) == 3
+    assert requeued[0].outbox == "recreated"
+    assert json.loads(outbox_row(engine, run_id).envelope["payload"]) == {"amount": 10}  # the genuine one
+    left = visible_messages(sqs, queues["default-dlq"], expect=2)
+    assert {m["MessageAttributes"]["reason"]["StringValue"] for m in left} == {
+        "bad-signature",
+        "malformed-envelope:bad-field",
+    }
+
+
+def outbox_envelope_from_dlq(sqs: Any, url: str) -> str:
+    """The body of the one message in a DLQ, left visible."""
+    [message] = receive_all(sqs, url, expect=1, timeout=5, visibility=0)
+    return str(message["Body"])
