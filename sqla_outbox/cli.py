@@ -123,6 +123,14 @@ def _is_connection_error(exc: BaseException) -> bool:
     )
 
 
+def console() -> Any:
+    """A rich console; piped output (less, a file) gets 200 columns instead of 80."""
+    from rich.console import Console
+
+    terminal = Console()
+    return terminal if terminal.is_terminal else Console(width=200)
+
+
 def print_json(document: Any) -> None:
     click.echo(json.dumps(document, indent=2, default=str))
 
@@ -226,7 +234,6 @@ def provision_command(
         if as_json:
             print_json([dataclasses.asdict(r) for r in reports])
         else:
-            from rich.console import Console
             from rich.table import Table
 
             table = Table(title="SQS queues")
@@ -237,7 +244,7 @@ def provision_command(
                     f"{k}: {v['actual']!r} → {v['expected']!r}" for k, v in r.differences.items()
                 )
                 table.add_row(r.queue, r.name, "DLQ" if r.dead_letter else "source", r.action, diffs)
-            Console().print(table)
+            console().print(table)
         if any(r.action == "drift" for r in reports):
             sys.exit(EXIT_CHECK_FAILED)
 
@@ -364,6 +371,33 @@ def catalog_write_command(check: bool, **options: Any) -> None:
             return
         path.write_text(text, encoding="utf-8")
         click.echo(f"wrote {path} ({len(registry.tasks)} tasks)")
+
+
+@main.command("config")
+@click.option("--json", "as_json", is_flag=True, help="Print the settings as JSON.")
+@click.option("--reference", is_flag=True, help="Print the configuration reference (Markdown).")
+def config_command(as_json: bool, reference: bool) -> None:
+    """Show the settings in effect here (from the environment; passwords and keys masked)."""
+    from sqla_outbox.config import reference_markdown
+
+    if reference:
+        click.echo(reference_markdown(), nl=False)
+        return
+    with handle_errors(False):
+        values = OutboxSettings.from_env().redacted()
+    if as_json:
+        print_json(values)
+        return
+    from rich.table import Table
+
+    table = Table(title="sqla_outbox settings")
+    table.add_column("setting")
+    table.add_column("value")
+    table.add_column("environment")
+    for name, value in values.items():
+        shown = ",".join(value) if isinstance(value, (list, tuple)) else str(value)
+        table.add_row(name, shown, env_names(name)[0])
+    console().print(table)
 
 
 def _split(value: Any) -> tuple[str, ...] | None:

@@ -163,12 +163,13 @@ def print_report(report: CheckReport, *, as_json: bool) -> None:
             json.dumps({"ok": report.ok, "checks": [dataclasses.asdict(r) for r in report.results]}, indent=2)
         )
         return
-    from rich.console import Console
     from rich.table import Table
+
+    from sqla_outbox.cli import console
 
     table = Table(title="sqla_outbox services")
     for column in ("service", "status", "detail"):
         table.add_column(column)
     for r in report.results:
         table.add_row(r.service, "[green]ok[/]" if r.ok else "[red]FAILED[/]", r.detail)
-    Console().print(table)
+    console().print(table)

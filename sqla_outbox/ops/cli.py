@@ -33,6 +33,7 @@ from sqla_outbox import errors
 from sqla_outbox.cli import (
     EXIT_CHECK_FAILED,
     common_options,
+    console,
     handle_errors,
     load_settings,
     main,
@@ -96,11 +97,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def _console() -> Any:
-    from rich.console import Console
-
-    console = Console()
-    # piped output (less, a file) is not a terminal: give tables room instead of 80 columns
-    return console if console.is_terminal else Console(width=200)
+    return console()
 
 
 def _table(title: str, columns: Iterable[str]) -> Any:

@@ -132,3 +132,20 @@ def test_probe_liveness_readiness_and_metrics(
         assert worker.process.wait(30) == 0
     finally:
         worker.kill()
+
+
+def test_config_shows_settings_with_secrets_masked() -> None:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_OUTBOX_")}
+    env.update({"DATABASE_URL": "postgresql://app:s3cret@db/app", "SQLA_OUTBOX_SIGNING_KEYS": "k" * 20})
+    shown = cli("config", "--json", env=env)
+    assert shown.returncode == 0
+    values = json.loads(shown.stdout)
+    assert values["database_url"] == "postgresql://app:***@db/app"
+    assert values["signing_keys"] == ["***"]
+    assert "s3cret" not in shown.stdout and "k" * 20 not in shown.stdout
+    table = cli("config", env=env)
+    assert "SQLA_OUTBOX_WORKER_CONCURRENCY" in table.stdout
+    reference = cli("config", "--reference")
+    assert reference.stdout == (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
