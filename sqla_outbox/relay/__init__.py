@@ -152,8 +152,13 @@ class Relay:
             from sqla_outbox.relay.send import SqsSender
             from sqla_outbox.sqs.client import QueueDirectory, make_client
 
+            # SendMessageBatch answers in milliseconds: a short read timeout and one retry
+            # bound how long a hung endpoint keeps a pass (and its row locks) open
             client = make_client(
-                self.settings, max_pool_connections=max(10, self.settings.relay_send_concurrency * 2)
+                self.settings,
+                max_pool_connections=max(10, self.settings.relay_send_concurrency * 2),
+                read_timeout_seconds=10,
+                max_attempts=2,
             )
             self._sender = SqsSender(client, QueueDirectory(client, self.settings), self.settings)
         return self._sender
