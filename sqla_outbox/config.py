@@ -82,13 +82,13 @@ class OutboxSettings:
     wake_key: str = _setting("sqla_outbox:outbox:wake", "Valkey list the application LPUSHes after a commit.")
     wake_timeout_ms: int = _setting(
         100,
-        "Longest time a commit may spend on the wake (connect + LPUSH). Past it the wake "
-        "is dropped, logged and counted; the commit has already happened.",
+        "Longest one wake (connect + LPUSH) may take. Wakes go out on a thread of their own, "
+        "so commits never wait for them; a wake past this is dropped, logged and counted.",
         unit="ms",
     )
     wake_retry_seconds: float = _setting(
         5.0,
-        "After a failed wake, commits skip the LPUSH for this long (one warning per outage "
+        "After a failed wake, wakes are skipped for this long (one warning per outage "
         "instead of one per commit).",
         unit="s",
     )

@@ -24,14 +24,15 @@ What each hook does, and what it may do:
     Safety net: writes rows whose flush ended early, so nothing is lost.
 ``after_commit``
     The transaction is over and no SQL may be emitted. For the root transaction, if any
-    outbox row survived (rows of rolled-back savepoints do not count), pushes one wake.
+    outbox row survived (rows of rolled-back savepoints do not count), schedules one
+    wake (the waker's thread does the LPUSH; the commit never waits for Valkey).
     A savepoint release (``after_commit`` also fires for it) only carries its count to the
     parent. Wake failures are logged and counted, never raised.
 ``after_transaction_end`` / ``after_soft_rollback``
     Drop the counts of rolled-back savepoints and the state of finished transactions.
 
 The same path serves a plain ``Session``, ``AsyncSession`` (its ``sync_session``; the
-wake is awaited on a thread so the event loop is not blocked), ``begin_nested()``
+event loop is never blocked by the wake), ``begin_nested()``
 savepoints, sessions joined to an outer transaction (test fixtures,
 ``Session(bind=op.get_bind())`` in an Alembic migration; there the wake is sent when the
 session commits and the sweep covers an outer commit that comes later).
@@ -39,7 +40,6 @@ session commits and the sweep covers an outer commit that comes later).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import weakref
@@ -56,11 +56,6 @@ from sqla_outbox.dispatch import Dispatch, PreparedRun, Publish
 from sqla_outbox.logging import log_extra
 from sqla_outbox.wakeup import Waker
 from sqla_outbox.write import write_runs
-
-try:  # SQLAlchemy 2.1 names; 2.0 spells await_ as await_only
-    from sqlalchemy.util.concurrency import await_
-except ImportError:  # pragma: no cover - SQLAlchemy 2.0
-    from sqlalchemy.util.concurrency import await_only as await_
 
 logger = logging.getLogger(__name__)
 
@@ -91,15 +86,6 @@ def _state(session: Session) -> _SessionState:
         state = session.info[_STATE_KEY] = _SessionState()
     assert isinstance(state, _SessionState)
     return state
-
-
-def _in_greenlet() -> bool:
-    """True inside SQLAlchemy's asyncio bridge (AsyncSession). greenlet is optional."""
-    try:
-        import greenlet  # type: ignore[import-untyped,unused-ignore]
-    except ImportError:
-        return False
-    return bool(getattr(greenlet.getcurrent(), "__sqlalchemy_greenlet_provider__", False))
 
 
 class Installation:
@@ -209,14 +195,7 @@ class Installation:
         )
 
     def _wake(self) -> None:
-        if _in_greenlet():
-
-            async def wait_for_wake() -> bool:
-                return await asyncio.wrap_future(self.waker.wake_in_thread())
-
-            await_(wait_for_wake())
-        else:
-            self.waker.wake()
+        self.waker.wake()  # hands the LPUSH to the waker's thread; never blocks, never raises
 
 
 def _owning_transaction(transaction: SessionTransaction | None) -> SessionTransaction | None:

@@ -5,14 +5,14 @@ wake only means the relay finds the rows on its next sweep (every
 ``relay_sweep_interval_seconds``). So the application side never lets Valkey trouble
 reach the caller:
 
-* one pipelined ``LPUSH key 1`` + ``LTRIM key 0 <wake_list_max - 1>`` per commit that
-  wrote outbox rows; the trim keeps the list bounded while no relay listens;
-* connect and command timeouts of ``wake_timeout_ms / 2`` each and no retries, so a
-  commit spends at most ``wake_timeout_ms`` on it even with Valkey black-holed;
-* after a failure, commits skip the wake for ``wake_retry_seconds`` and the outage is
-  logged once (``action="wake.failed"``), with one more line on recovery;
-* under ``AsyncSession`` the LPUSH runs on a small thread pool and is awaited through
-  SQLAlchemy's greenlet bridge, so the event loop is never blocked.
+* one ``LPUSH key 1`` per commit that wrote outbox rows, plus ``LTRIM key 0
+  <wake_list_max - 1>`` so the list stays bounded while no relay listens;
+* the LPUSH happens on the waker's own thread, not in the commit: ``commit()`` (and an
+  ``AsyncSession``'s event loop) never waits for Valkey, whatever its state;
+* connect and command timeouts of ``wake_timeout_ms / 2`` each and no retries bound how
+  long a hung Valkey can hold that thread;
+* after a failure, wakes are skipped for ``wake_retry_seconds`` and the outage is logged
+  once (``action="wake.failed"``), with one more line on recovery.
 
 The relay side (:class:`WakeListener`) pops with BLPOP in its own thread, deletes the
 rest of the list (one pass serves every wake pushed before it starts) and calls back.
@@ -20,9 +20,11 @@ rest of the list (one pass serves every wake pushed before it starts) and calls 
 
 from __future__ import annotations
 
-import concurrent.futures
+import atexit
 import dataclasses
 import logging
+import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -82,16 +84,26 @@ def _make_client(url: str, timeout_seconds: float) -> redis.Redis:
 
 
 class Waker:
-    """Pushes the wake signal after commits (application side).
+    """Pushes the wake signal after commits (application side), off the commit path.
+
+    :meth:`wake` only puts a token on an in-process queue and returns at once; a daemon
+    thread of the waker does the LPUSH. Several wakes waiting together go out in one
+    pipelined round trip (one LPUSH each, then one LTRIM). So a commit never waits for
+    Valkey, even when it is slow, hung or down. The thread is restarted after ``fork()``
+    (pre-forking servers), and at interpreter exit pending wakes get up to
+    ``wake_timeout_ms`` to go out.
 
     Args:
         settings: Uses ``valkey_url`` (None: every wake is a no-op), ``wake_key``,
-            ``wake_timeout_ms``, ``wake_retry_seconds`` and ``wake_list_max``.
+            ``wake_timeout_ms`` (longest one LPUSH may take), ``wake_retry_seconds`` and
+            ``wake_list_max``.
 
     Raises:
         ConfigurationError: ``valkey_url`` is not a Valkey/Redis URL; raised by
             :func:`sqla_outbox.install`, before any commit depends on it.
     """
+
+    _MAX_QUEUED = 10_000
 
     def __init__(self, settings: OutboxSettings) -> None:
         self.url = settings.valkey_url
@@ -104,36 +116,95 @@ class Waker:
         self._lock = threading.Lock()
         self._suppressed_until = 0.0
         self._in_outage = False
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._queue: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._busy = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self._closed = False
 
-    def wake(self) -> bool:
-        """Push one wake. Never raises.
+    def wake(self) -> None:
+        """Schedule one wake and return at once. Never raises, never blocks."""
+        if self._client is None or self._closed:
+            return
+        if self._thread is None or self._pid != os.getpid():
+            self._start()
+        if self._queue.qsize() < self._MAX_QUEUED:
+            self._queue.put(1)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until every scheduled wake went out (or failed).
 
         Returns:
-            True when the LPUSH succeeded, False when it failed, was skipped, or no
-            Valkey URL is configured.
+            True when nothing is left to push.
         """
-        if self._client is None:
-            return False
-        now = time.monotonic()
-        if now < self._suppressed_until:
-            with self._lock:
-                self.stats.skipped += 1
-            metrics.WAKES.labels("skipped").inc()
-            return False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._queue.empty() and not self._busy.is_set():
+                return True
+            time.sleep(0.001)
+        return self._queue.empty() and not self._busy.is_set()
+
+    def close(self) -> None:
+        """Stop the thread (after pending wakes, up to ``wake_timeout_ms``) and disconnect."""
+        if self._closed:
+            return
+        self.drain(self._timeout * 2)
+        self._closed = True
+        self._queue.put(0)
+        if self._client is not None:
+            self._client.close()
+
+    # --- the thread ------------------------------------------------------------------------
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None and self._pid == os.getpid():
+                return
+            self._queue = queue.SimpleQueue()  # a forked child starts afresh
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._run, name="sqla-outbox-wake", daemon=True)
+            self._thread.start()
+            atexit.register(self.drain, self._timeout * 2)
+
+    def _run(self) -> None:
+        while True:
+            token = self._queue.get()
+            if token == 0:
+                return
+            self._busy.set()
+            count = 1
+            while True:  # push everything already waiting in one round trip
+                try:
+                    if self._queue.get_nowait() == 0:
+                        self._closed = True
+                        break
+                    count += 1
+                except queue.Empty:
+                    break
+            try:
+                self._push(count)
+            finally:
+                self._busy.clear()
+            if self._closed:
+                return
+
+    def _push(self, count: int) -> None:
+        assert self._client is not None
+        if time.monotonic() < self._suppressed_until:
+            self.stats.skipped += count
+            metrics.WAKES.labels("skipped").inc(count)
+            return
         try:
             pipe = self._client.pipeline(transaction=False)
-            pipe.lpush(self.key, 1)
+            for _ in range(count):
+                pipe.lpush(self.key, 1)
             pipe.ltrim(self.key, 0, self.list_max - 1)
             pipe.execute()
         except (redis.RedisError, OSError) as exc:
-            metrics.WAKES.labels("failed").inc()
-            with self._lock:
-                self.stats.failed += 1
-                self._suppressed_until = time.monotonic() + self.retry_seconds
-                first = not self._in_outage
+            metrics.WAKES.labels("failed").inc(count)
+            self.stats.failed += count
+            self._suppressed_until = time.monotonic() + self.retry_seconds
+            if not self._in_outage:
                 self._in_outage = True
-            if first:
                 logger.warning(
                     "wake failed; relying on the relay sweep until Valkey answers",
                     extra=log_extra(
@@ -143,32 +214,12 @@ class Waker:
                         retry_seconds=self.retry_seconds,
                     ),
                 )
-            return False
-        metrics.WAKES.labels("sent").inc()
-        with self._lock:
-            self.stats.sent += 1
-            recovered = self._in_outage
+            return
+        metrics.WAKES.labels("sent").inc(count)
+        self.stats.sent += count
+        if self._in_outage:
             self._in_outage = False
-        if recovered:
             logger.info("wake recovered", extra=log_extra(action="wake.recovered"))
-        return True
-
-    def wake_in_thread(self) -> concurrent.futures.Future[bool]:
-        """Run :meth:`wake` on the waker's own small thread pool (for event loops)."""
-        if self._pool is None:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = concurrent.futures.ThreadPoolExecutor(
-                        max_workers=2, thread_name_prefix="sqla-outbox-wake"
-                    )
-        return self._pool.submit(self.wake)
-
-    def close(self) -> None:
-        """Release the connection pool and the thread pool."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-        if self._client is not None:
-            self._client.close()
 
 
 class WakeListener:

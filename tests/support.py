@@ -441,3 +441,11 @@ def effects(engine: sa.Engine, run_id: Any = None) -> list[Any]:
 
 def status_of(engine: sa.Engine, run_id: Any) -> str:
     return str(run_row(engine, run_id).status)
+
+
+def drain_wakes(timeout: float = 3.0) -> None:
+    """Wait until every installed waker pushed (or gave up on) its pending wakes."""
+    from sqla_outbox import events
+
+    for installation in list(events._installations.values()):
+        installation.waker.drain(timeout)

@@ -472,7 +472,7 @@ def requeue(
         report.items.append(item)
         woke_for_database = woke_for_database or item.action == REQUEUED
     if woke_for_database and waker is not None:
-        report.woke = waker.wake() or report.woke
+        report.woke = _wake_now(waker) or report.woke
     return report
 
 
@@ -544,8 +544,16 @@ def _requeue_batch(
     if not to_delete:
         return
     if waker is not None:  # committed: wake the relay before the DLQ copies disappear
-        report.woke = waker.wake() or report.woke
+        report.woke = _wake_now(waker) or report.woke
     deleted = scan.delete([received for received, _ in to_delete])
     for received, item in to_delete:
         if received.letter.message_id in deleted:
             item.dlq_deleted += 1
+
+
+def _wake_now(waker: Waker) -> bool:
+    """Push one wake and wait for it (a CLI exits right after); True when it went out."""
+    sent = waker.stats.sent
+    waker.wake()
+    waker.drain(2.0)
+    return waker.stats.sent > sent

@@ -16,7 +16,7 @@ import sqla_outbox
 from sqla_outbox import Dispatch, Publish, errors
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
-from tests.support import count, outbox_rows, runs
+from tests.support import count, drain_wakes, outbox_rows, runs
 
 
 @pytest.fixture
@@ -28,6 +28,7 @@ def factory(engine: sa.Engine, settings: OutboxSettings, catalog: Catalog) -> It
 
 
 def wakes(valkey: redis.Redis, settings: OutboxSettings) -> int:
+    drain_wakes()  # wakes go out on the waker's thread, just after the commit
     return int(valkey.llen(settings.wake_key))
 
 

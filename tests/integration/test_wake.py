@@ -20,7 +20,7 @@ import sqla_outbox
 from sqla_outbox import Dispatch
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
-from tests.support import black_hole, closed_port_url, count, free_port, wait_for
+from tests.support import black_hole, closed_port_url, count, drain_wakes, free_port, wait_for
 
 
 def installed(engine: sa.Engine, settings: OutboxSettings, catalog: Catalog) -> sessionmaker[Session]:
@@ -51,6 +51,7 @@ def test_wake_list_stays_bounded_while_no_relay_listens(
     cleanup.append(maker)
     for _ in range(40):
         commit_one(maker)
+    drain_wakes()
     assert valkey.llen(settings.wake_key) == 5
     assert sqla_outbox.installation_for(maker).waker.stats.sent == 40  # type: ignore[union-attr]
 
@@ -66,27 +67,27 @@ def test_valkey_refusing_connections_never_reaches_the_app(
     cleanup.append(maker)
     with caplog.at_level(logging.WARNING, logger="sqla_outbox"):
         durations = [commit_one(maker) for _ in range(5)]
+        drain_wakes()
     assert count(engine, "task_runs") == 5
     assert max(durations) < 0.5
     stats = sqla_outbox.installation_for(maker).waker.stats  # type: ignore[union-attr]
-    assert (stats.sent, stats.failed, stats.skipped) == (0, 1, 4)
+    assert stats.sent == 0 and stats.failed >= 1 and stats.failed + stats.skipped == 5
     warnings = [r for r in caplog.records if "wake failed" in r.getMessage()]
     assert len(warnings) == 1  # once per outage, not once per commit
 
 
-def test_hung_valkey_adds_at_most_the_wake_timeout(
+def test_hung_valkey_adds_nothing_to_commits(
     engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, cleanup: list
 ) -> None:
     with black_hole() as url:
-        maker = installed(engine, settings.replace(valkey_url=url, wake_timeout_ms=100), catalog)
+        maker = installed(engine, settings.replace(valkey_url=url, wake_timeout_ms=300), catalog)
         cleanup.append(maker)
-        first = commit_one(maker)
-        second = commit_one(maker)  # breaker open: no wait at all
-    assert count(engine, "task_runs") == 2
-    assert first < 0.6  # 100 ms bound plus the commit itself on a busy machine
-    assert second < first
+        durations = [commit_one(maker) for _ in range(3)]
+        drain_wakes()
+    assert count(engine, "task_runs") == 3
+    assert max(durations) < 0.2  # commits never wait for the wake, even with Valkey hung
     stats = sqla_outbox.installation_for(maker).waker.stats  # type: ignore[union-attr]
-    assert (stats.failed, stats.skipped) == (1, 1)
+    assert stats.sent == 0 and stats.failed >= 1 and stats.failed + stats.skipped == 3
 
 
 def test_wakes_resume_when_valkey_comes_back(
@@ -114,6 +115,7 @@ def test_wakes_resume_when_valkey_comes_back(
         time.sleep(0.25)  # past the retry window
         with caplog.at_level(logging.INFO, logger="sqla_outbox"):
             commit_one(maker)
+            drain_wakes()
         assert client.llen(settings.wake_key) == 1
         assert any("wake recovered" in r.getMessage() for r in caplog.records)
         client.close()
@@ -195,7 +197,8 @@ def test_valkey_url_pointing_at_another_service_never_reaches_the_app(
     maker = installed(engine, settings.replace(valkey_url=f"redis://127.0.0.1:{port}/0"), catalog)
     cleanup.append(maker)
     durations = [commit_one(maker) for _ in range(3)]
+    drain_wakes()
     assert max(durations) < 0.6
     assert count(engine, "task_runs") == 3
     stats = sqla_outbox.installation_for(maker).waker.stats  # type: ignore[union-attr]
-    assert (stats.sent, stats.failed, stats.skipped) == (0, 1, 2)
+    assert stats.sent == 0 and stats.failed >= 1 and stats.failed + stats.skipped == 3
