@@ -48,6 +48,7 @@ class PreparedRun:
         delay: Seconds after ``clock_timestamp()`` when ``available_at`` is None.
         available_at: Absolute due time given by the caller, or None.
         envelope: The envelope document stored in the outbox ``envelope`` column.
+        envelope_json: The same, encoded once (compact JSON, the SQS body's form).
         source: The Dispatch or Publish object this run came from.
         resolved_run_id: Set by the write: the run that will execute.
         deduplicated: Set by the write: True when an existing run was reused.
@@ -62,6 +63,7 @@ class PreparedRun:
     delay: dt.timedelta
     available_at: dt.datetime | None
     envelope: dict[str, Any]
+    envelope_json: str
     source: _Scheduled
     resolved_run_id: uuid.UUID | None = None
     deduplicated: bool = False
@@ -133,7 +135,10 @@ class _Scheduled:
             idempotency_key=self.idempotency_key,
             trace=self.trace,
         )
-        size = env.size_bytes()
+        document = env.to_document()
+        encoded = envelope_mod.encode_document(document)
+        attributes = env.message_attributes()
+        size = envelope_mod.message_size_bytes(encoded, attributes) + envelope_mod.SIGNATURE_SIZE_BYTES
         if size > max_message_bytes:
             raise errors.EnvelopeTooLarge(spec.name, size_bytes=size, limit_bytes=max_message_bytes)
         return PreparedRun(
@@ -145,7 +150,8 @@ class _Scheduled:
             idempotency_key=self.idempotency_key,
             delay=self.delay,
             available_at=self.available_at,
-            envelope=env.to_document(),
+            envelope=document,
+            envelope_json=encoded,
             source=self,
         )
 

@@ -5,8 +5,9 @@ wake only means the relay finds the rows on its next sweep (every
 ``relay_sweep_interval_seconds``). So the application side never lets Valkey trouble
 reach the caller:
 
-* one ``LPUSH key 1`` per commit that wrote outbox rows, plus ``LTRIM key 0
-  <wake_list_max - 1>`` so the list stays bounded while no relay listens;
+* one ``LPUSH key 1`` per commit that wrote outbox rows (commits that finish while a push
+  is in flight share the next one), plus ``LTRIM key 0 <wake_list_max - 1>`` so the list
+  stays bounded while no relay listens;
 * the LPUSH happens on the waker's own thread, not in the commit: ``commit()`` (and an
   ``AsyncSession``'s event loop) never waits for Valkey, whatever its state;
 * connect and command timeouts of ``wake_timeout_ms / 2`` each and no retries bound how
@@ -87,8 +88,9 @@ class Waker:
     """Pushes the wake signal after commits (application side), off the commit path.
 
     :meth:`wake` only puts a token on an in-process queue and returns at once; a daemon
-    thread of the waker does the LPUSH. Several wakes waiting together go out in one
-    pipelined round trip (one LPUSH each, then one LTRIM). So a commit never waits for
+    thread of the waker does the LPUSH. Each commit gets its LPUSH; commits that finish
+    while a push is in flight share the next one (a single wake makes the relay read
+    everything committed before it). So a commit never waits for
     Valkey, even when it is slow, hung or down. The thread is restarted after ``fork()``
     (pre-forking servers), and at interpreter exit pending wakes get up to
     ``wake_timeout_ms`` to go out.
@@ -195,8 +197,7 @@ class Waker:
             return
         try:
             pipe = self._client.pipeline(transaction=False)
-            for _ in range(count):
-                pipe.lpush(self.key, 1)
+            pipe.lpush(self.key, 1)  # one wake serves every commit that queued it
             pipe.ltrim(self.key, 0, self.list_max - 1)
             pipe.execute()
         except (redis.RedisError, OSError) as exc:

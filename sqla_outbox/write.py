@@ -1,7 +1,8 @@
 """Writing prepared runs: the ``task_runs`` rows and their outbox rows in one statement.
 
 One flush's dispatches and publishes become a single ``INSERT ... SELECT FROM unnest(...)``
-statement whose data-modifying CTEs insert the runs (``ON CONFLICT DO NOTHING`` for
+statement (a flush with a single run uses the same statement shape with scalar
+parameters, which is cheaper) whose data-modifying CTEs insert the runs (``ON CONFLICT DO NOTHING`` for
 idempotency keys and caller-chosen run ids) and, for the runs actually inserted, the
 outbox rows in ``outbox_messages`` or ``platform_outbox_messages``. The statement text is
 the same for any number of rows, so drivers that prepare statements reuse one plan, and
@@ -19,7 +20,6 @@ sees runs committed while this one waited on the unique index); for a caller-cho
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -79,6 +79,37 @@ SELECT run_id FROM runs
     bindparam("envelopes", type_=ARRAY(Text)),
 )
 
+def _insert_one(table: str) -> Any:
+    """The single-run variant: scalar parameters instead of arrays (about a third cheaper
+    for the common one-dispatch flush: no array dumping, no unnest)."""
+    tenant_column = "tenant_id, " if table == "outbox_messages" else ""
+    tenant_value = ":tenant_id, " if table == "outbox_messages" else ""
+    return text(
+        f"""
+WITH runs AS (
+    INSERT INTO task_runs (run_id, task, event, queue, tenant_id, idempotency_key, available_at)
+    VALUES (:run_id, :task, :event, :queue, :tenant_id, :key,
+            COALESCE(CAST(:available_at AS timestamptz), clock_timestamp() + CAST(:delay AS interval)))
+    ON CONFLICT DO NOTHING
+    RETURNING run_id, available_at
+),
+rows AS (
+    INSERT INTO {table} ({tenant_column}run_id, queue, envelope, available_at)
+    SELECT {tenant_value}run_id, :queue, CAST(:envelope AS jsonb), available_at FROM runs
+)
+SELECT run_id FROM runs
+"""
+    ).bindparams(
+        bindparam("run_id", type_=UUID(as_uuid=True)),
+        bindparam("tenant_id", type_=BigInteger),
+        bindparam("delay", type_=Interval),
+        bindparam("available_at", type_=DateTime(timezone=True)),
+        bindparam("envelope", type_=Text),
+    )
+
+
+_INSERT_ONE = {table: _insert_one(table) for table in ("outbox_messages", "platform_outbox_messages")}
+
 _UNFINISHED = ", ".join(f"'{s}'" for s in UNFINISHED_STATUSES)
 _FIND_BY_KEY = text(
     f"""
@@ -130,7 +161,7 @@ def write_runs(connection: Connection, runs: Sequence[PreparedRun]) -> int:
     for _ in range(3):
         if not pending:
             break
-        inserted = {row[0] for row in connection.execute(_INSERT, _params(pending))}
+        inserted = {row[0] for row in _execute(connection, pending)}
         written += len(inserted)
         missing = []
         for run in pending:
@@ -147,6 +178,27 @@ def write_runs(connection: Connection, runs: Sequence[PreparedRun]) -> int:
     for run in runs:
         run.source.record_resolution(run)
     return written
+
+
+def _execute(connection: Connection, runs: Sequence[PreparedRun]) -> Any:
+    if len(runs) == 1:
+        run = runs[0]
+        table = "platform_outbox_messages" if run.tenant_id is None else "outbox_messages"
+        return connection.execute(
+            _INSERT_ONE[table],
+            {
+                "run_id": run.run_id,
+                "task": run.task,
+                "event": run.event,
+                "queue": run.queue,
+                "tenant_id": run.tenant_id,
+                "key": run.idempotency_key,
+                "delay": run.delay,
+                "available_at": run.available_at,
+                "envelope": run.envelope_json,
+            },
+        )
+    return connection.execute(_INSERT, _params(runs))
 
 
 def _key(run: PreparedRun) -> _Key | None:
@@ -194,5 +246,5 @@ def _params(runs: Sequence[PreparedRun]) -> dict[str, Any]:
         "keys": [r.idempotency_key for r in runs],
         "delays": [r.delay for r in runs],
         "available_ats": [r.available_at for r in runs],
-        "envelopes": [json.dumps(r.envelope, separators=(",", ":")) for r in runs],
+        "envelopes": [r.envelope_json for r in runs],
     }
