@@ -43,6 +43,7 @@ from sqla_outbox.relay import make_engine
 from sqla_outbox.sqs.client import QueueDirectory, error_code, is_missing_queue, make_client
 from sqla_outbox.types import QUEUE_NAMES
 from sqla_outbox.worker import handle as handling
+from sqla_outbox.worker.acks import AckBatcher
 from sqla_outbox.worker.heartbeat import heartbeat_loop
 from sqla_outbox.worker.outcome import Outcomes
 from sqla_outbox.worker.receive import RECEIVE_MAX_MESSAGES, SlotPool
@@ -128,6 +129,7 @@ class Worker:
         )
         self.directory = QueueDirectory(self.client, settings)
         self.outcomes = Outcomes(self.client, self.directory, max_message_bytes=settings.max_message_bytes)
+        self.acks = AckBatcher(self.client, self.directory, self.io)
         self.queues = [q for q in QUEUE_NAMES if q in settings.worker_queues]
         self.visibility: dict[str, int] = {}
         self.slots = SlotPool(concurrency)
@@ -395,6 +397,7 @@ class Worker:
             task.cancel()
         await asyncio.gather(*receivers, return_exceptions=True)
         await self._drain_in_flight()
+        await self.acks.close()
         for task in others:
             task.cancel()
         await asyncio.gather(*others, return_exceptions=True)

@@ -1,0 +1,81 @@
+"""Batched acknowledgements against a real SQS endpoint (moto)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+from typing import Any
+
+from sqla_outbox.config import OutboxSettings
+from sqla_outbox.sqs.client import QueueDirectory
+from sqla_outbox.worker.acks import AckBatcher
+from tests.support import receive_all
+
+
+class CountingClient:
+    """The real boto3 client, with its delete calls counted (observation, not a stand-in)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.batches: list[int] = []
+
+    def delete_message_batch(self, **kwargs: Any) -> Any:
+        self.batches.append(len(kwargs["Entries"]))
+        return self.client.delete_message_batch(**kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+def test_deletes_go_out_in_batches_of_ten_and_remove_the_messages(
+    sqs: Any, queues: dict[str, str], settings: OutboxSettings, sqs_endpoint: str
+) -> None:
+    for n in range(25):
+        sqs.send_message(QueueUrl=queues["default"], MessageBody=f"m{n}")
+    received = receive_all(sqs, queues["default"], expect=25, visibility=60)
+    counting = CountingClient(sqs)
+    directory = QueueDirectory(counting, settings.replace(sqs_endpoint_url=sqs_endpoint))
+    pool = concurrent.futures.ThreadPoolExecutor(4)
+
+    async def scenario() -> list[bool]:
+        loop = asyncio.get_running_loop()
+
+        async def run_blocking(fn: Any, *args: Any) -> Any:
+            return await loop.run_in_executor(pool, functools.partial(fn, *args))
+
+        batcher = AckBatcher(counting, directory, run_blocking)
+        results = await asyncio.gather(*(batcher.ack("default", m["ReceiptHandle"]) for m in received))
+        await batcher.close()
+        return list(results)
+
+    assert asyncio.run(scenario()) == [True] * 25
+    assert sorted(counting.batches, reverse=True) == [10, 10, 5]
+    attributes = sqs.get_queue_attributes(
+        QueueUrl=queues["default"],
+        AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+    )["Attributes"]
+    assert attributes == {"ApproximateNumberOfMessages": "0", "ApproximateNumberOfMessagesNotVisible": "0"}
+
+
+def test_a_lone_delete_waits_only_the_linger(
+    sqs: Any, queues: dict[str, str], settings: OutboxSettings
+) -> None:
+    sqs.send_message(QueueUrl=queues["default"], MessageBody="alone")
+    [message] = receive_all(sqs, queues["default"], expect=1, visibility=60)
+    directory = QueueDirectory(sqs, settings)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    async def scenario() -> tuple[bool, float]:
+        loop = asyncio.get_running_loop()
+
+        async def run_blocking(fn: Any, *args: Any) -> Any:
+            return await loop.run_in_executor(pool, functools.partial(fn, *args))
+
+        batcher = AckBatcher(sqs, directory, run_blocking, linger_seconds=0.005)
+        started = loop.time()
+        ok = await batcher.ack("default", message["ReceiptHandle"])
+        return ok, loop.time() - started
+
+    ok, elapsed = asyncio.run(scenario())
+    assert ok and elapsed < 1.0
