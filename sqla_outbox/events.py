@@ -189,10 +189,11 @@ class Installation:
         owner = session.get_nested_transaction() or session.get_transaction()
         if owner is not None and written:
             state.written[owner] = state.written.get(owner, 0) + written
-        logger.debug(
-            "outbox rows written",
-            extra=log_extra(action="dispatch.written", runs=len(runs), rows=written),
-        )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "outbox rows written",
+                extra=log_extra(action="dispatch.written", runs=len(runs), rows=written),
+            )
 
     def _wake(self) -> None:
         self.waker.wake()  # hands the LPUSH to the waker's thread; never blocks, never raises

@@ -15,8 +15,9 @@ reach the caller:
 * after a failure, wakes are skipped for ``wake_retry_seconds`` and the outage is logged
   once (``action="wake.failed"``), with one more line on recovery.
 
-The relay side (:class:`WakeListener`) pops with BLPOP in its own thread, deletes the
-rest of the list (one pass serves every wake pushed before it starts) and calls back.
+The relay side (:class:`WakeListener`) pops with BLPOP in its own thread, calls back,
+and deletes the rest of the list (the pass it triggers serves every wake pushed before
+it).
 """
 
 from __future__ import annotations
@@ -277,9 +278,9 @@ class WakeListener:
                 item = client.blpop([self.key], timeout=self.timeout)
                 if item is None:
                     continue
-                client.delete(self.key)
                 self.wakes += 1
-                self.on_wake()
+                self.on_wake()  # first: the pass need not wait for the DEL's round trip
+                client.delete(self.key)
             except (redis.RedisError, OSError) as exc:
                 self.connected = False
                 if not in_outage:

@@ -268,8 +268,9 @@ class Relay:
         listener.start()
         try:
             self._wake.set()  # first pass at once
+            result = PassResult()
             while not self._stop.is_set():
-                self._wait_for_work(connection)
+                self._wait_for_work(connection, last_claimed=result.claimed)
                 if self._stop.is_set():
                     break
                 result = self.pass_once(connection)
@@ -284,7 +285,7 @@ class Relay:
             self._unlock(connection)
             self._set_leader(False)
 
-    def _wait_for_work(self, connection: Connection) -> None:
+    def _wait_for_work(self, connection: Connection, *, last_claimed: int) -> None:
         self._refresh_stats(connection)
         if self._wake.is_set():
             self._wake.clear()
@@ -293,8 +294,14 @@ class Relay:
         due = claim.seconds_until_next_due(connection)
         connection.commit()
         if due is not None:
-            # rows due now but not claimable (locked elsewhere): look again shortly
-            timeout = min(timeout, max(due, 0.02))
+            if due > 0:
+                timeout = min(timeout, due)  # the next delayed run, to the millisecond
+            elif last_claimed:
+                return  # became due since the last pass: go now
+            else:
+                # due but the last pass could claim nothing: locked by another
+                # transaction; look again shortly rather than spin
+                timeout = min(timeout, 0.02)
         if self._next_slot_at is not None:
             timeout = min(timeout, max(self._next_slot_at - time.monotonic(), 0.0))
         self._wake.wait(timeout)

@@ -118,7 +118,7 @@ def claim(connection: Connection, table: str, *, limit: int) -> list[ClaimedRow]
         The claimed rows, in ``available_at, id`` order; rows locked by another
         transaction are skipped, never waited for.
     """
-    rows = connection.execute(_CLAIM[table], {"limit": limit})
+    rows = connection.execute(_CLAIM[table], {"limit": limit}).all()  # one fetchall, not fetchone per row
     return [
         ClaimedRow(
             table=table,

@@ -6,9 +6,9 @@ and is acknowledged then (its run is finished). Batching the deletes of one queu
 10 per call, the SQS batch limit) cuts the worker's SQS calls per run nearly in half.
 
 A batch goes out when it has 10 entries, or ``linger_seconds`` (default 5 ms) after its
-first entry arrived, whichever is first. :meth:`AckBatcher.ack` waits for its batch's
-call, so a handling task ends only once its message is really deleted (or the delete
-failed and was logged).
+first entry arrived, whichever is first. The worker queues its deletes with
+:meth:`AckBatcher.ack_soon` and frees the handler slot at once; :meth:`AckBatcher.close`
+(at shutdown) sends what is still queued.
 """
 
 from __future__ import annotations
@@ -58,7 +58,16 @@ class AckBatcher:
         self._inflight: set[asyncio.Task[None]] = set()
 
     async def ack(self, queue: str, receipt_handle: str) -> bool:
-        """Delete one message (batched). Returns False when SQS refused or the call failed."""
+        """Delete one message (batched) and wait for the call.
+
+        Returns:
+            False when SQS refused the delete or the call failed.
+        """
+        return await asyncio.shield(self.ack_soon(queue, receipt_handle))
+
+    def ack_soon(self, queue: str, receipt_handle: str) -> asyncio.Future[bool]:
+        """Queue one delete and return at once (the worker frees the handler slot without
+        waiting: the run's verdict is already committed). Returns the delete's future."""
         loop = asyncio.get_running_loop()
         entry = _Pending(receipt_handle, loop.create_future())
         batch = self._pending.setdefault(queue, [])
@@ -67,7 +76,7 @@ class AckBatcher:
             self._flush(queue)
         elif queue not in self._timers:
             self._timers[queue] = loop.call_later(self.linger_seconds, self._flush, queue)
-        return await asyncio.shield(entry.done)
+        return entry.done
 
     async def close(self) -> None:
         """Send what is pending and wait for every call in flight."""

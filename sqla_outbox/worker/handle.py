@@ -168,12 +168,12 @@ async def handle_message(worker: Worker, flight: InFlight) -> None:
             flight,
             status="succeeded",
         )
-        await worker.acks.ack(flight.queue, flight.receipt_handle)
+        worker.acks.ack_soon(flight.queue, flight.receipt_handle)
         return
     if status is runs.ClaimStatus.FAILED:
         if claim.dead_lettered:
             worker.counters.duplicates_skipped += 1
-            await worker.acks.ack(flight.queue, flight.receipt_handle)
+            worker.acks.ack_soon(flight.queue, flight.receipt_handle)
         else:  # the permanent path was interrupted after `failed`: finish it
             await _send_to_dlq(worker, flight, reason="completed-after-interruption", failure=None)
         return
@@ -270,7 +270,7 @@ async def _execute(
         attempt=attempt.attempt,
         duration_ms=round((time.perf_counter() - started) * 1000, 2),
     )
-    await worker.acks.ack(flight.queue, flight.receipt_handle)
+    worker.acks.ack_soon(flight.queue, flight.receipt_handle)
 
 
 async def _transient(
@@ -424,7 +424,7 @@ async def _reconcile_lost(worker: Worker, flight: InFlight) -> None:
     worker.counters.lost_leases += 1
     _log(logging.WARNING, "attempt lost the run; reconciling", "worker.lease_lost", flight, status=status)
     if status == "succeeded":
-        await worker.acks.ack(flight.queue, flight.receipt_handle)
+        worker.acks.ack_soon(flight.queue, flight.receipt_handle)
     # otherwise another attempt owns the run, or its verdict is recorded and this copy
     # comes back later and is handled by what the run says then
 
