@@ -211,6 +211,8 @@ def _sqs(stack: contextlib.ExitStack, console: Any) -> str:
         return configured
     try:
         from moto.server import ThreadedMotoServer
+
+        from sqla_outbox.moto_server import patch_moto
     except ImportError:
         raise click.ClickException(
             "no SQS endpoint configured and moto is not installed (pip install 'moto[server]')"
@@ -220,6 +222,7 @@ def _sqs(stack: contextlib.ExitStack, console: Any) -> str:
     port = _free_port()
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log on the console
+    patch_moto()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     stack.callback(server.stop)

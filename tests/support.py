@@ -143,7 +143,7 @@ class MotoServer:
         env = dict(os.environ)
         env.update(AWS_ENV)
         process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            [sys.executable, "-m", "sqla_outbox.moto_server", "-H", "127.0.0.1", "-p", str(port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=env,

@@ -1,0 +1,288 @@
+"""Figure 1 — dispatch overhead: what a ``Dispatch`` adds to the application's transaction.
+
+Everything runs on ONE database connection (an engine with a pool of one), in one
+process, each side once per round in rotating order, ``--rounds`` rounds (short sides,
+many rounds: a load burst from other work then hits few rounds). A side's figure is the
+median over rounds of its transactions per second; a ratio is the median over rounds of
+the ratio within each round.
+
+Single-row sides (``--txns`` transactions each, one ``session.begin()`` ... commit each):
+
+``orm_plain``
+    one application ORM row (``bench_orders``), on a sessionmaker WITHOUT sqla_outbox
+    listeners: the floor.
+``orm``
+    the same on the sessionmaker WITH the listeners installed (what every transaction of
+    an installed application pays, dispatch or not). This is the figure's denominator.
+``orm+dispatch``
+    the ORM row plus ``session.add(Dispatch(tenant task, payload, tenant_id=...))``:
+    the listeners write the ``task_runs`` row and the ``outbox_messages`` row in one
+    statement at flush, and after commit one LPUSH wakes the relay (real Redis).
+``orm+dispatch(nowake)``
+    the same with ``valkey_url=None`` (no LPUSH), to separate the wake's share.
+``orm+cte(floor)``
+    the ORM row plus the same two rows (``task_runs`` and ``outbox_messages``, the same
+    envelope) written by ONE hand-written scalar statement (``WITH runs AS (INSERT ...
+    RETURNING ...) INSERT ...``) on the Session's connection, no listeners, no wake: the
+    physical floor of "one extra statement writing both rows".
+``orm+procrastinate``
+    the ORM row plus procrastinate's ``defer`` of a no-op task on the Session's own
+    psycopg connection (``task.configure(connection=...).defer(...)``), so the job row
+    commits with the ORM row.
+
+Judged by: ``orm+dispatch / orm >= 0.70`` and ``orm+dispatch / orm+procrastinate >= 1.25``.
+
+Batch sides (``--batch-txns`` transactions of ``--batch`` runs each):
+
+``dispatch x100``
+    one transaction adding 100 ``Dispatch`` objects (one multi-row statement at flush).
+``executemany x100``
+    one transaction inserting the same 100 ``task_runs`` rows and 100 ``outbox_messages``
+    rows (envelopes built with ``json.dumps``) by hand with two ``executemany`` calls:
+    the floor for writing those rows. Reported as runs/s; ratio dispatch / executemany.
+
+Each side starts from truncated tables (not timed). PostgreSQL runs with its stock
+settings (``synchronous_commit=on``), so every commit waits for a WAL flush.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import _common as common
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+_TRUNCATE = "TRUNCATE bench_orders, outbox_messages, platform_outbox_messages, task_runs, task_run_trail"
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Order(Base):
+    __tablename__ = "bench_orders"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(always=True), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(sa.BigInteger)
+    customer: Mapped[str] = mapped_column(sa.Text)
+    amount: Mapped[float] = mapped_column(sa.Numeric(12, 2))
+
+
+def _order(i: int) -> Order:
+    return Order(tenant_id=1 + i % common.TENANTS, customer=f"customer {i}", amount=12.5)
+
+
+_FLOOR_CTE = sa.text(
+    "WITH runs AS (INSERT INTO task_runs (run_id, task, queue, tenant_id, available_at) "
+    "VALUES (:run_id, :task, 'default', :tenant_id, clock_timestamp()) RETURNING run_id, available_at) "
+    "INSERT INTO outbox_messages (tenant_id, run_id, queue, envelope, available_at) "
+    "SELECT :tenant_id, run_id, 'default', CAST(:envelope AS jsonb), available_at FROM runs"
+)
+_RUN_INSERT = sa.text(
+    "INSERT INTO task_runs (run_id, task, queue, tenant_id, available_at) "
+    "VALUES (:run_id, :task, 'default', :tenant_id, clock_timestamp())"
+)
+_OUTBOX_INSERT = sa.text(
+    "INSERT INTO outbox_messages (tenant_id, run_id, queue, envelope, available_at) "
+    "VALUES (:tenant_id, :run_id, 'default', CAST(:envelope AS jsonb), clock_timestamp())"
+)
+
+
+def main() -> None:
+    p = common.parser(__doc__, rounds=11)
+    p.add_argument("--txns", type=int, default=200, help="transactions per side per round (default 200)")
+    p.add_argument("--batch", type=int, default=100, help="runs per batch transaction (default 100)")
+    p.add_argument(
+        "--batch-txns", type=int, default=10, help="batch transactions per side per round (default 10)"
+    )
+    p.add_argument("--no-peers", action="store_true", help="skip procrastinate")
+    args = p.parse_args()
+
+    import sqla_outbox
+    from sqla_outbox import Dispatch
+
+    report = common.Report(
+        "bench_dispatch",
+        args,
+        {"rounds": args.rounds, "txns": args.txns, "batch": args.batch, "batch_txns": args.batch_txns},
+    )
+    with common.bench_database(args, "bench_dispatch") as db:
+        engine = common.one_connection_engine(db.url)
+        plain = sessionmaker(engine)
+        installed = sessionmaker(engine)
+        nowake = sessionmaker(engine)
+        cat = common.catalog()
+        sqla_outbox.install(installed, common.settings(db, args.redis_url), catalog=cat)
+        sqla_outbox.install(nowake, common.settings(db, None), catalog=cat)
+        peers = not args.no_peers
+        app: Any = None
+        if peers:
+            import _peers
+
+            _peers.install_procrastinate(db.url)
+            app = _peers.procrastinate_app(db.url)
+
+        def truncate() -> None:
+            with engine.begin() as conn:
+                conn.exec_driver_sql(
+                    _TRUNCATE + (", procrastinate_jobs" if peers else "") + " RESTART IDENTITY CASCADE"
+                )
+
+        payload_json = json.dumps(common.PAYLOAD, separators=(",", ":"))
+
+        def single(factory: sessionmaker[Session], extra: Any = None) -> float:
+            truncate()
+            n = args.txns
+            started = time.perf_counter()
+            for i in range(n):
+                with factory() as session, session.begin():
+                    session.add(_order(i))
+                    if extra is not None:
+                        extra(session, i)
+            return n / (time.perf_counter() - started)
+
+        def add_dispatch(session: Session, i: int) -> None:
+            session.add(Dispatch(common.TENANT_TASK, common.PAYLOAD, tenant_id=1 + i % common.TENANTS))
+
+        def floor_cte(session: Session, i: int) -> None:
+            run_id = uuid.uuid4()
+            tenant = 1 + i % common.TENANTS
+            envelope = {
+                "v": 1,
+                "run_id": str(run_id),
+                "task": common.TENANT_TASK,
+                "queue": "default",
+                "tenant_id": tenant,
+                "event": None,
+                "idempotency_key": None,
+                "payload": payload_json,
+            }
+            session.connection().execute(
+                _FLOOR_CTE,
+                {
+                    "run_id": run_id,
+                    "task": common.TENANT_TASK,
+                    "tenant_id": tenant,
+                    "envelope": json.dumps(envelope, separators=(",", ":")),
+                },
+            )
+
+        def defer(session: Session, i: int) -> None:
+            raw = session.connection().connection.driver_connection
+            _peers.procrastinate_defer(app, raw, **common.PAYLOAD)
+
+        def dispatch_batch() -> float:
+            truncate()
+            started = time.perf_counter()
+            for t in range(args.batch_txns):
+                with installed() as session, session.begin():
+                    for i in range(args.batch):
+                        session.add(
+                            Dispatch(
+                                common.TENANT_TASK, common.PAYLOAD, tenant_id=1 + (t + i) % common.TENANTS
+                            )
+                        )
+            return args.batch * args.batch_txns / (time.perf_counter() - started)
+
+        def executemany_batch() -> float:
+            truncate()
+            started = time.perf_counter()
+            for t in range(args.batch_txns):
+                rows = []
+                for i in range(args.batch):
+                    run_id = uuid.uuid4()
+                    tenant = 1 + (t + i) % common.TENANTS
+                    envelope = {
+                        "v": 1,
+                        "run_id": str(run_id),
+                        "task": common.TENANT_TASK,
+                        "queue": "default",
+                        "tenant_id": tenant,
+                        "event": None,
+                        "idempotency_key": None,
+                        "payload": payload_json,
+                    }
+                    rows.append(
+                        {
+                            "run_id": run_id,
+                            "task": common.TENANT_TASK,
+                            "tenant_id": tenant,
+                            "envelope": json.dumps(envelope, separators=(",", ":")),
+                        }
+                    )
+                with engine.begin() as conn:
+                    conn.execute(_RUN_INSERT, rows)
+                    conn.execute(_OUTBOX_INSERT, rows)
+            return args.batch * args.batch_txns / (time.perf_counter() - started)
+
+        sides: dict[str, Any] = {
+            "orm_plain": lambda: single(plain),
+            "orm": lambda: single(installed),
+            "orm+dispatch": lambda: single(installed, add_dispatch),
+            "orm+dispatch(nowake)": lambda: single(nowake, add_dispatch),
+            "orm+cte(floor)": lambda: single(plain, floor_cte),
+        }
+        if peers:
+            sides["orm+procrastinate"] = lambda: single(plain, defer)
+        # warm-up (connection, statement caches, JIT-free but cache-warm)
+        for side in sides.values():
+            side()
+        print("single-row transactions (txn/s):", flush=True)
+        singles = common.alternate(args.rounds, sides)
+        print("batches (runs/s):", flush=True)
+        dispatch_batch()
+        executemany_batch()
+        batches = common.alternate(
+            args.rounds, {"dispatch x100": dispatch_batch, "executemany x100": executemany_batch}
+        )
+
+        # sanity: the last dispatch side really wrote its rows
+        with engine.connect() as conn:
+            outbox = conn.exec_driver_sql("SELECT count(*) FROM outbox_messages").scalar_one()
+        report.note(f"rows in outbox_messages after the last batch side: {outbox}")
+        engine.dispose()
+
+    med = {name: common.median(values) for name, values in singles.items()}
+    rows = [
+        [
+            name,
+            med[name],
+            min(values),
+            max(values),
+            common.paired_ratio(singles, name, "orm"),
+            1000 / med[name],
+        ]
+        for name, values in singles.items()
+    ]
+    report.table(
+        f"Single-row transactions, one connection ({args.txns} txns/side/round, median of {args.rounds})",
+        ["side", "txn/s (median)", "min", "max", "vs orm", "ms/txn"],
+        rows,
+    )
+    bmed = {name: common.median(values) for name, values in batches.items()}
+    report.table(
+        f"{args.batch} runs per transaction ({args.batch_txns} txns/side/round)",
+        ["side", "runs/s (median)", "min", "max", "txn/s"],
+        [[n, bmed[n], min(v), max(v), bmed[n] / args.batch] for n, v in batches.items()],
+    )
+    report.results = {"single_txn_per_s": singles, "batch_runs_per_s": batches, "medians": med | bmed}
+    pr = common.paired_ratio
+    report.ratio("dispatch: (orm+dispatch) / orm", pr(singles, "orm+dispatch", "orm"), 0.70)
+    if "orm+procrastinate" in med:
+        report.ratio(
+            "dispatch vs procrastinate defer", pr(singles, "orm+dispatch", "orm+procrastinate"), 1.25
+        )
+    report.ratio("floor: (orm+cte) / orm", pr(singles, "orm+cte(floor)", "orm"), None)
+    report.ratio(
+        "dispatch / floor: (orm+dispatch) / (orm+cte)", pr(singles, "orm+dispatch", "orm+cte(floor)"), None
+    )
+    report.ratio("listeners installed, no dispatch: orm / orm_plain", pr(singles, "orm", "orm_plain"), None)
+    report.ratio("dispatch x100 / executemany x100", pr(batches, "dispatch x100", "executemany x100"), None)
+    report.emit()
+
+
+if __name__ == "__main__":
+    main()
