@@ -6,8 +6,8 @@ wake only means the relay finds the rows on its next sweep (every
 reach the caller:
 
 * one ``LPUSH key 1`` per commit that wrote outbox rows (commits that finish while a push
-  is in flight share the next one), plus ``LTRIM key 0 <wake_list_max - 1>`` so the list
-  stays bounded while no relay listens;
+  is in flight share the next one); when the reply says the list grew past
+  ``wake_list_max`` (no relay is popping it), an ``LTRIM`` bounds it;
 * the LPUSH happens on the waker's own thread, not in the commit: ``commit()`` (and an
   ``AsyncSession``'s event loop) never waits for Valkey, whatever its state;
 * connect and command timeouts of ``wake_timeout_ms / 2`` each and no retries bound how
@@ -197,10 +197,10 @@ class Waker:
             metrics.WAKES.labels("skipped").inc(count)
             return
         try:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.lpush(self.key, 1)  # one wake serves every commit that queued it
-            pipe.ltrim(self.key, 0, self.list_max - 1)
-            pipe.execute()
+            # one wake serves every commit that queued it; LPUSH returns the list's length,
+            # so the list is trimmed only when no relay has been popping it
+            if int(self._client.lpush(self.key, 1)) > self.list_max:
+                self._client.ltrim(self.key, 0, self.list_max - 1)
         except (redis.RedisError, OSError) as exc:
             metrics.WAKES.labels("failed").inc(count)
             self.stats.failed += count
