@@ -107,6 +107,10 @@ class Waker:
     """
 
     _MAX_QUEUED = 10_000
+    _MIN_PUSH_INTERVAL_SECONDS = 0.002
+    """During a burst of commits, at most one push per 2 ms: the relay's pass reads
+    everything committed before the wake it answers, so more would only cost CPU in the
+    application and Valkey. An isolated commit is pushed at once."""
 
     def __init__(self, settings: OutboxSettings) -> None:
         self.url = settings.valkey_url
@@ -169,11 +173,15 @@ class Waker:
             atexit.register(self.drain, self._timeout * 2)
 
     def _run(self) -> None:
+        last_push = 0.0
         while True:
             token = self._queue.get()
             if token == 0:
                 return
             self._busy.set()
+            pause = last_push + self._MIN_PUSH_INTERVAL_SECONDS - time.monotonic()
+            if pause > 0:  # a burst: let the commits of the next moment share this push
+                time.sleep(pause)
             count = 1
             while True:  # push everything already waiting in one round trip
                 try:
@@ -186,6 +194,7 @@ class Waker:
             try:
                 self._push(count)
             finally:
+                last_push = time.monotonic()
                 self._busy.clear()
             if self._closed:
                 return
