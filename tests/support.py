@@ -258,6 +258,7 @@ class TcpProxy:
             except OSError:
                 client.close()
                 continue
+            upstream.settimeout(None)  # an idle or hung endpoint is waited on, as a client would
             with self._lock:
                 self._conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):

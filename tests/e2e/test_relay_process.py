@@ -185,6 +185,42 @@ def test_sqs_outage_then_recovery_delivers_everything_and_counts_attempts(
         proxy.close()
 
 
+def test_hung_sqs_endpoint_fails_the_pass_in_seconds_and_delivers_after(
+    app: sessionmaker[Session],
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+    engine: sa.Engine,
+) -> None:
+    """Regression: an endpoint that accepts the connection and never answers held a pass (and
+    its row locks) for minutes under botocore's defaults (60 s read timeout, retried). The
+    relay's own client gives up within ~20 s (10 s read timeout, 2 attempts) and backs off."""
+    host, port = sqs_endpoint.removeprefix("http://").split(":")
+    proxy = support.TcpProxy(host, int(port))
+    relay = start_relay(
+        settings,
+        proxy.endpoint,
+        SQLA_OUTBOX_RELAY_BACKOFF_BASE_SECONDS="0.2",
+        SQLA_OUTBOX_RELAY_BACKOFF_MAX_SECONDS="1",
+    )
+    try:
+        relay.wait_for_action("relay.leader")
+        proxy.hang()
+        hung_at = time.monotonic()
+        with app() as session, session.begin():
+            session.add(Dispatch("audit", {"n": 1}))
+        wait_for(lambda: all(r.attempts >= 1 for r in outbox_rows(engine)), timeout=50)
+        assert time.monotonic() - hung_at < 35
+        assert sent_run_ids(engine) == set()
+        proxy.unhang()
+        wait_for(lambda: len(sent_run_ids(engine)) == 1, timeout=30)
+        assert len(receive_all(sqs, queues["default"], expect=1)) == 1
+    finally:
+        relay.terminate()
+        proxy.close()
+
+
 def test_sigterm_during_a_backlog_marks_only_what_sqs_accepted(
     app: sessionmaker[Session],
     settings: OutboxSettings,

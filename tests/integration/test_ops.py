@@ -698,3 +698,45 @@ def outbox_envelope_from_dlq(sqs: Any, url: str) -> str:
     """The body of the one message in a DLQ, left visible."""
     [message] = receive_all(sqs, url, expect=1, timeout=5, visibility=0)
     return str(message["Body"])
+
+
+def test_a_late_dead_letter_record_only_marks_a_run_that_is_still_failed(
+    app: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """Regression: the DLQ send finishes after the run moved on (requeued by an operator, or
+    finished by another copy). Recording the DLQ then must not mark that run dead-lettered."""
+
+    def lease(run_id: uuid.UUID) -> worker_runs.Attempt:
+        with engine.begin() as conn:
+            claim = worker_runs.take_lease(
+                conn, run_id=run_id, task="audit", tenant_id=None, worker_id="w", lease_seconds=60, receive_count=1
+            )
+        return worker_runs.Attempt(run_id, claim.attempt, 1, "w")
+
+    def record_dlq(run_id: uuid.UUID) -> None:
+        with engine.begin() as conn:
+            worker_runs.mark_dead_lettered(conn, run_id, receive_count=1, worker_id="w", dlq="x-default-dlq")
+
+    def dead_letter_trail(run_id: uuid.UUID) -> list[Any]:
+        return [row for row in trail(engine, run_id) if (row.detail or {}).get("dead_lettered")]
+
+    queued = dispatch(app, "audit", {})
+    record_dlq(queued)
+    assert run_row(engine, queued).status == "queued"
+    assert run_row(engine, queued).dead_lettered_at is None and dead_letter_trail(queued) == []
+
+    succeeded = dispatch(app, "audit", {})
+    attempt = lease(succeeded)
+    with engine.begin() as conn:
+        assert worker_runs.mark_succeeded(conn, attempt)
+    record_dlq(succeeded)
+    assert run_row(engine, succeeded).dead_lettered_at is None and dead_letter_trail(succeeded) == []
+
+    failed = dispatch(app, "audit", {})
+    attempt = lease(failed)
+    with engine.begin() as conn:
+        assert worker_runs.mark_failed(conn, attempt, worker_runs.Failure("ValueError", "bad", None), reason="x")
+    record_dlq(failed)
+    record_dlq(failed)  # a second record of the same DLQ send adds nothing
+    assert run_row(engine, failed).dead_lettered_at is not None
+    assert len(dead_letter_trail(failed)) == 1
