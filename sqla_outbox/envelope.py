@@ -294,14 +294,19 @@ def decode(body: str, *, max_bytes: int) -> Envelope:
     if event is not None and not _NAME.match(event):
         raise MalformedEnvelope("bad-field", "event is not a valid event name")
     key = _optional(doc, "idempotency_key", str)
+    if key is not None and not _storable(key):
+        raise MalformedEnvelope("bad-field", "idempotency_key holds a NUL or a lone surrogate")
     payload_json = _field(doc, "payload", str)
+    if not _storable(payload_json):
+        raise MalformedEnvelope("bad-payload", "payload holds a NUL or a lone surrogate")
     try:
         strict_loads(payload_json)
     except (ValueError, RecursionError):
         raise MalformedEnvelope("bad-payload", "payload is not JSON text") from None
     trace = doc.get("trace", {})
     if not isinstance(trace, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) and len(v) <= 512 for k, v in trace.items()
+        isinstance(k, str) and isinstance(v, str) and len(v) <= 512 and _storable(k + v)
+        for k, v in trace.items()
     ):
         raise MalformedEnvelope("bad-field", "trace must map strings to short strings")
     return Envelope(
@@ -314,6 +319,21 @@ def decode(body: str, *, max_bytes: int) -> Envelope:
         idempotency_key=key,
         trace=trace,
     )
+
+
+def _storable(text: str) -> bool:
+    """Whether PostgreSQL can hold ``text`` (no NUL, valid UTF-8: no lone surrogate).
+
+    Every envelope the relay sends was read from a ``jsonb`` column, which refuses both
+    (PostgreSQL: "unsupported Unicode escape sequence"), so a body carrying one is not ours.
+    """
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _field(doc: Mapping[str, Any], name: str, kind: type) -> Any:

@@ -79,6 +79,7 @@ SELECT run_id FROM runs
     bindparam("envelopes", type_=ARRAY(Text)),
 )
 
+
 def _insert_one(table: str) -> Any:
     """The single-run variant: scalar parameters instead of arrays (about a third cheaper
     for the common one-dispatch flush: no array dumping, no unnest)."""

@@ -146,6 +146,7 @@ async def handle_message(worker: Worker, flight: InFlight) -> None:
             worker_id=worker.worker_id,
             lease_seconds=worker.visibility[flight.queue],
             receive_count=flight.receive_count,
+            document=env.encode(),
         ),
     )
     status = claim.status
@@ -156,7 +157,11 @@ async def handle_message(worker: Worker, flight: InFlight) -> None:
         return
     if status is runs.ClaimStatus.MISMATCH:
         await _dead_letter_foreign(
-            worker, flight, reason="envelope-mismatch", detail="the run exists with another task or tenant"
+            worker,
+            flight,
+            reason="envelope-mismatch",
+            detail="the run exists, but this is not the envelope the relay sent "
+            "(task, tenant or content differ)",
         )
         return
     if status is runs.ClaimStatus.SUCCEEDED:

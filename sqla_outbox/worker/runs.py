@@ -35,7 +35,7 @@ class ClaimStatus(enum.Enum):
 
     CLAIMED = "claimed"
     NOT_FOUND = "not_found"  # no such run: a foreign or forged message
-    MISMATCH = "mismatch"  # the run exists but the envelope names another task/tenant
+    MISMATCH = "mismatch"  # the run exists but the envelope is not the one the relay sent
     SUCCEEDED = "succeeded"  # finished: acknowledge the copy
     FAILED = "failed"  # finished: complete the DLQ path if it was not completed
     LEASED = "leased"  # another worker holds a live lease
@@ -67,14 +67,24 @@ WITH prev AS (
            EXTRACT(EPOCH FROM (lease_expires_at - clock_timestamp()))::float8 AS lease_left
     FROM task_runs WHERE run_id = :run_id FOR UPDATE
 ),
+sent AS (
+    SELECT envelope FROM outbox_messages WHERE run_id = :run_id
+    UNION ALL
+    SELECT envelope FROM platform_outbox_messages WHERE run_id = :run_id
+),
+checked AS (
+    SELECT NOT EXISTS (
+        SELECT 1 FROM sent WHERE sent.envelope <> CAST(:document AS jsonb)
+    ) AS envelope_matches
+),
 claimed AS (
     UPDATE task_runs AS t
     SET status = 'running', attempts = t.attempts + 1, lease_owner = :worker,
         lease_expires_at = clock_timestamp() + make_interval(secs => :lease_seconds),
         started_at = clock_timestamp(), updated_at = clock_timestamp()
-    FROM prev
+    FROM prev, checked
     WHERE t.run_id = prev.run_id AND prev.task = :task
-      AND prev.tenant_id IS NOT DISTINCT FROM :tenant_id
+      AND prev.tenant_id IS NOT DISTINCT FROM :tenant_id AND checked.envelope_matches
       AND (prev.status IN ('queued', 'retrying')
            OR (prev.status = 'running' AND (prev.lease_left IS NULL OR prev.lease_left <= 0)))
     RETURNING t.attempts
@@ -86,10 +96,14 @@ trail AS (
     FROM claimed, prev
 )
 SELECT prev.task, prev.tenant_id, prev.status, prev.lease_left, prev.dead_lettered_at,
-       claimed.attempts AS claimed_attempt
-FROM prev LEFT JOIN claimed ON true
+       checked.envelope_matches, claimed.attempts AS claimed_attempt
+FROM prev CROSS JOIN checked LEFT JOIN claimed ON true
 """
-).bindparams(bindparam("run_id", type_=UUID(as_uuid=True)), bindparam("lease_seconds", type_=Float))
+).bindparams(
+    bindparam("run_id", type_=UUID(as_uuid=True)),
+    bindparam("lease_seconds", type_=Float),
+    bindparam("document", type_=Text),
+)
 
 
 def take_lease(
@@ -101,11 +115,21 @@ def take_lease(
     worker_id: str,
     lease_seconds: float,
     receive_count: int,
+    document: str | None = None,
 ) -> Claim:
     """Take the run's lease for a new attempt if nobody holds a live one.
 
     The envelope's task and tenant must match the run (a forged message naming a real
-    run_id with another task is refused as MISMATCH). Commits nothing: the caller does.
+    run_id with another task is refused as MISMATCH), and so must its content (below).
+    Commits nothing: the caller does.
+
+    Args:
+        document: The received envelope as JSON text (``Envelope.encode()``). While the
+            run's outbox row exists (until ``maintenance.purge`` removes sent rows), the
+            envelope must equal the one the relay sent, field for field (compared as
+            PostgreSQL ``jsonb``); a copy that names a real run but carries another payload,
+            queue, event, key or trace is refused as MISMATCH, whatever the run's status.
+            None skips the comparison (test helpers that build their own messages).
     """
     row = connection.execute(
         _TAKE,
@@ -116,13 +140,14 @@ def take_lease(
             "worker": worker_id,
             "lease_seconds": lease_seconds,
             "receive_count": receive_count,
+            "document": document,
         },
     ).one_or_none()
     if row is None:
         return Claim(ClaimStatus.NOT_FOUND)
     if row.claimed_attempt is not None:
         return Claim(ClaimStatus.CLAIMED, attempt=row.claimed_attempt, previous_status=row.status)
-    if row.task != task or row.tenant_id != tenant_id:
+    if row.task != task or row.tenant_id != tenant_id or not row.envelope_matches:
         return Claim(ClaimStatus.MISMATCH, previous_status=row.status)
     if row.status == "succeeded":
         return Claim(ClaimStatus.SUCCEEDED, previous_status=row.status)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import uuid
 from pathlib import Path
@@ -13,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_outbox import Dispatch
 from sqla_outbox.config import OutboxSettings
-from tests.support import effects, receive_all, start_worker, status_of, wait_for
+from tests.support import effects, receive_all, run_row, start_worker, status_of, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -73,6 +74,47 @@ def test_forged_messages_never_execute_and_land_in_the_dlq_with_a_reason(
         assert found == bodies
         assert len(effects(engine)) == 1  # only the genuine run ever executed
         assert worker.process.poll() is None
+    finally:
+        worker.kill()
+
+
+def test_forged_copies_of_real_runs_with_other_content_never_execute(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+) -> None:
+    """Without signing keys: a body naming a real run (right task and tenant) but carrying
+    other content is refused while the run's outbox row exists: for a finished run, and for a
+    queued one, which would otherwise execute the forged payload. A byte-identical copy of a
+    finished run is an SQS duplicate: acknowledged and skipped."""
+    worker = start_worker(settings, sqs_endpoint, SQLA_OUTBOX_WORKER_RUN_RELAY="true")
+    try:
+        worker.wait_for_action("worker.started")
+        with app() as session, session.begin():
+            done = Dispatch("audit", {"mode": "ok"})
+            later = Dispatch("audit", {"mode": "ok"}, delay=dt.timedelta(hours=1))
+            session.add_all([done, later])
+        wait_for(lambda: status_of(engine, done.run_id) == "succeeded", timeout=20)
+        finished = envelope_of(engine, done.run_id)
+        queued = envelope_of(engine, later.run_id)
+        forged = {
+            json.dumps(dict(finished, payload=json.dumps({"mode": "record_payload", "evil": 1}))),
+            json.dumps(dict(finished, idempotency_key="k")),
+            json.dumps(dict(queued, payload=json.dumps({"mode": "record_payload", "evil": 2}))),
+            json.dumps(dict(queued, trace={"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})),
+        }
+        for body in forged:
+            sqs.send_message(QueueUrl=queues["default"], MessageBody=body)
+        sqs.send_message(QueueUrl=queues["default"], MessageBody=json.dumps(finished))  # exact copy
+        found = dlq_reasons(sqs, queues["default-dlq"], expect=len(forged))
+        assert found == dict.fromkeys(forged, "envelope-mismatch")
+        wait_for(lambda: worker.actions("worker.duplicate"), timeout=20)
+        assert status_of(engine, later.run_id) == "queued"
+        assert run_row(engine, later.run_id).attempts == 0
+        assert [e.run_id for e in effects(engine)] == [done.run_id]  # nothing forged ever ran
     finally:
         worker.kill()
 

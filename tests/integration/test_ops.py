@@ -709,7 +709,13 @@ def test_a_late_dead_letter_record_only_marks_a_run_that_is_still_failed(
     def lease(run_id: uuid.UUID) -> worker_runs.Attempt:
         with engine.begin() as conn:
             claim = worker_runs.take_lease(
-                conn, run_id=run_id, task="audit", tenant_id=None, worker_id="w", lease_seconds=60, receive_count=1
+                conn,
+                run_id=run_id,
+                task="audit",
+                tenant_id=None,
+                worker_id="w",
+                lease_seconds=60,
+                receive_count=1,
             )
         return worker_runs.Attempt(run_id, claim.attempt, 1, "w")
 
@@ -735,7 +741,8 @@ def test_a_late_dead_letter_record_only_marks_a_run_that_is_still_failed(
     failed = dispatch(app, "audit", {})
     attempt = lease(failed)
     with engine.begin() as conn:
-        assert worker_runs.mark_failed(conn, attempt, worker_runs.Failure("ValueError", "bad", None), reason="x")
+        failure = worker_runs.Failure("ValueError", "bad", None)
+        assert worker_runs.mark_failed(conn, attempt, failure, reason="x")
     record_dlq(failed)
     record_dlq(failed)  # a second record of the same DLQ send adds nothing
     assert run_row(engine, failed).dead_lettered_at is not None

@@ -138,6 +138,12 @@ def _doc(**changes: object) -> str:
         {"payload": "NaN"},
         {"trace": ["x"]},
         {"event": "bad event name!"},
+        # what PostgreSQL's jsonb cannot hold was never sent by our relay
+        {"idempotency_key": "a\x00b"},
+        {"idempotency_key": "\ud800"},
+        {"trace": {"traceparent": "\x00"}},
+        {"trace": {"\udfff": "x"}},
+        {"payload": '"\ud800"'},
     ],
 )
 def test_wrong_types_in_a_valid_looking_envelope_are_refused(changes: dict[str, object]) -> None:
