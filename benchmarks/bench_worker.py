@@ -31,7 +31,8 @@ Part B (database only, one thread, one connection). Per run, the worker's own SQ
 ``mark_succeeded`` (one statement: ``succeeded``, trail row) in a second, as the worker
 does, on an engine made by ``sqla_outbox.relay.make_engine`` (the worker's: it has
 ``pool_pre_ping=True``, so every checkout first runs a ping); the same on a plain engine
-without pre-ping; and a floor of two one-row ``UPDATE task_runs`` transactions per run
+without pre-ping; the same without comparing the received envelope with the outbox row's
+(``document=None``: the cost of that check); and a floor of two one-row ``UPDATE task_runs`` transactions per run
 without trail rows. ``--db-runs`` queued runs per side per round.
 """
 
@@ -185,16 +186,20 @@ def main() -> None:
         worker_engine = make_engine(common.settings(db, None), pool_size=1)  # what Worker uses
         bare_engine = common.one_connection_engine(db.url)
 
-        def queued_runs() -> list[tuple[Any, str, int]]:
+        def queued_runs() -> list[tuple[Any, str, int, str]]:
             common.truncate_outbox(db.url)
             common.fill_backlog(db.url, args.db_runs)
             with psycopg.connect(db.url) as conn:
-                return conn.execute("SELECT run_id, task, tenant_id FROM task_runs").fetchall()
+                return conn.execute(
+                    "SELECT r.run_id, r.task, r.tenant_id, COALESCE(o.envelope, p.envelope)::text "
+                    "FROM task_runs r LEFT JOIN outbox_messages o USING (run_id) "
+                    "LEFT JOIN platform_outbox_messages p USING (run_id)"
+                ).fetchall()
 
-        def worker_db(engine: Any) -> float:
+        def worker_db(engine: Any, check_envelope: bool = True) -> float:
             todo = queued_runs()
             started = time.perf_counter()
-            for run_id, task, tenant_id in todo:
+            for run_id, task, tenant_id, document in todo:
                 with engine.begin() as conn:
                     claim = runs.take_lease(
                         conn,
@@ -204,7 +209,10 @@ def main() -> None:
                         worker_id="bench",
                         lease_seconds=120,
                         receive_count=1,
+                        document=document if check_envelope else None,
                     )
+                    if claim.status is not runs.ClaimStatus.CLAIMED:
+                        raise RuntimeError(f"take_lease: {claim.status}")
                 with Session(engine) as session:
                     if not runs.mark_succeeded(
                         session.connection(), runs.Attempt(run_id, claim.attempt, 1, "bench")
@@ -217,7 +225,7 @@ def main() -> None:
             todo = queued_runs()
             with psycopg.connect(db.url) as conn:
                 started = time.perf_counter()
-                for run_id, _task, _tenant in todo:
+                for run_id, _task, _tenant, _document in todo:
                     with conn.transaction():
                         conn.execute(
                             "UPDATE task_runs SET status = 'running', attempts = attempts + 1 "
@@ -234,6 +242,7 @@ def main() -> None:
             {
                 "take_lease + mark_succeeded": lambda: worker_db(worker_engine),
                 "the same, no pool pre-ping": lambda: worker_db(bare_engine),
+                "the same, no envelope check": lambda: worker_db(worker_engine, check_envelope=False),
                 "floor: 2 bare UPDATE txns": floor_db,
             },
         )
