@@ -32,8 +32,8 @@ Part B (database only, one thread, one connection). Per run, the worker's own SQ
 does, on an engine made by ``sqla_outbox.relay.make_engine`` (the worker's: it has
 ``pool_pre_ping=True``, so every checkout first runs a ping); the same on a plain engine
 without pre-ping; the same without comparing the received envelope with the outbox row's
-(``document=None``: the cost of that check); and a floor of two one-row ``UPDATE task_runs`` transactions per run
-without trail rows. ``--db-runs`` queued runs per side per round.
+(``document=None``: the cost of that check); and a floor of two one-row
+``UPDATE task_runs`` transactions per run without trail rows. ``--db-runs`` queued runs per side per round.
 """
 
 from __future__ import annotations
