@@ -7,6 +7,7 @@ import datetime as dt
 import json
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -150,14 +151,9 @@ def test_without_valkey_the_sweep_delivers(
         assert relay.terminate() == 0
 
 
-def test_sqs_outage_then_recovery_delivers_everything_and_counts_attempts(
-    app: sessionmaker[Session],
-    settings: OutboxSettings,
-    sqs_endpoint: str,
-    sqs: Any,
-    queues: dict[str, str],
-    engine: sa.Engine,
-) -> None:
+@pytest.fixture
+def proxied_relay(settings: OutboxSettings, sqs_endpoint: str) -> Iterator[tuple[support.TcpProxy, Any]]:
+    """A relay (short backoff) that reaches SQS through a proxy the test can cut or hang."""
     host, port = sqs_endpoint.removeprefix("http://").split(":")
     proxy = support.TcpProxy(host, int(port))
     relay = start_relay(
@@ -168,27 +164,36 @@ def test_sqs_outage_then_recovery_delivers_everything_and_counts_attempts(
     )
     try:
         relay.wait_for_action("relay.leader")
-        proxy.disable()
-        with app() as session, session.begin():
-            session.add_all([Dispatch("audit", {"n": n}) for n in range(20)])
-        wait_for(lambda: all(r.attempts >= 2 for r in outbox_rows(engine)), timeout=60)
-        assert sent_run_ids(engine) == set()
-        proxy.enable()
-        wait_for(lambda: len(sent_run_ids(engine)) == 20, timeout=60)
-        assert (
-            len({json.loads(m["Body"])["run_id"] for m in receive_all(sqs, queues["default"], expect=20)})
-            == 20
-        )
-        assert relay.actions("relay.send_failed")
+        yield proxy, relay
     finally:
         relay.terminate()
         proxy.close()
 
 
+def test_sqs_outage_then_recovery_delivers_everything_and_counts_attempts(
+    app: sessionmaker[Session],
+    proxied_relay: tuple[support.TcpProxy, Any],
+    sqs: Any,
+    queues: dict[str, str],
+    engine: sa.Engine,
+) -> None:
+    proxy, relay = proxied_relay
+    proxy.disable()
+    with app() as session, session.begin():
+        session.add_all([Dispatch("audit", {"n": n}) for n in range(20)])
+    wait_for(lambda: all(r.attempts >= 2 for r in outbox_rows(engine)), timeout=60)
+    assert sent_run_ids(engine) == set()
+    proxy.enable()
+    wait_for(lambda: len(sent_run_ids(engine)) == 20, timeout=60)
+    assert (
+        len({json.loads(m["Body"])["run_id"] for m in receive_all(sqs, queues["default"], expect=20)}) == 20
+    )
+    assert relay.actions("relay.send_failed")
+
+
 def test_hung_sqs_endpoint_fails_the_pass_in_seconds_and_delivers_after(
     app: sessionmaker[Session],
-    settings: OutboxSettings,
-    sqs_endpoint: str,
+    proxied_relay: tuple[support.TcpProxy, Any],
     sqs: Any,
     queues: dict[str, str],
     engine: sa.Engine,
@@ -196,29 +201,18 @@ def test_hung_sqs_endpoint_fails_the_pass_in_seconds_and_delivers_after(
     """Regression: an endpoint that accepts the connection and never answers held a pass (and
     its row locks) for minutes under botocore's defaults (60 s read timeout, retried). The
     relay's own client gives up within ~20 s (10 s read timeout, 2 attempts) and backs off."""
-    host, port = sqs_endpoint.removeprefix("http://").split(":")
-    proxy = support.TcpProxy(host, int(port))
-    relay = start_relay(
-        settings,
-        proxy.endpoint,
-        SQLA_OUTBOX_RELAY_BACKOFF_BASE_SECONDS="0.2",
-        SQLA_OUTBOX_RELAY_BACKOFF_MAX_SECONDS="1",
-    )
-    try:
-        relay.wait_for_action("relay.leader")
-        proxy.hang()
-        hung_at = time.monotonic()
-        with app() as session, session.begin():
-            session.add(Dispatch("audit", {"n": 1}))
-        wait_for(lambda: all(r.attempts >= 1 for r in outbox_rows(engine)), timeout=50)
-        assert time.monotonic() - hung_at < 35
-        assert sent_run_ids(engine) == set()
-        proxy.unhang()
-        wait_for(lambda: len(sent_run_ids(engine)) == 1, timeout=30)
-        assert len(receive_all(sqs, queues["default"], expect=1)) == 1
-    finally:
-        relay.terminate()
-        proxy.close()
+    proxy, relay = proxied_relay
+    proxy.hang()
+    hung_at = time.monotonic()
+    with app() as session, session.begin():
+        session.add(Dispatch("audit", {"n": 1}))
+    wait_for(lambda: all(r.attempts >= 1 for r in outbox_rows(engine)), timeout=50)
+    assert time.monotonic() - hung_at < 35
+    assert sent_run_ids(engine) == set()
+    assert relay.actions("relay.send_failed")
+    proxy.unhang()
+    wait_for(lambda: len(sent_run_ids(engine)) == 1, timeout=30)
+    assert len(receive_all(sqs, queues["default"], expect=1)) == 1
 
 
 def test_sigterm_during_a_backlog_marks_only_what_sqs_accepted(
