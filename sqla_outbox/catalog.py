@@ -22,7 +22,7 @@ Format (version 1)::
 ``queue`` is one of critical, default, bulk, maintenance (default ``default``). ``scope``
 is ``tenant`` (a dispatch must carry ``tenant_id``), ``platform`` (it must not), or
 ``any`` (default). ``timeout_seconds`` is the per-attempt limit the worker applies
-(optional). ``schedule`` declares a recurring platform run: ``{"cron": "<5 fields>"}`` or
+(optional; 0 means no limit). ``schedule`` declares a recurring platform run: ``{"cron": "<5 fields>"}`` or
 ``{"every_seconds": N}``. Names are 1..200 characters of letters, digits and ``_ . : -``.
 The loader validates the file against a JSON Schema and then checks that every subscriber
 is a known task; errors name the file and the JSON path of the bad entry.
@@ -63,7 +63,7 @@ SCHEMA: dict[str, Any] = {
                 "properties": {
                     "queue": {"enum": list(QUEUE_NAMES)},
                     "scope": {"enum": ["tenant", "platform", "any"]},
-                    "timeout_seconds": {"type": "number", "exclusiveMinimum": 0},
+                    "timeout_seconds": {"type": "number", "minimum": 0},
                     "description": {"type": "string"},
                     "schedule": {
                         "type": "object",
@@ -107,7 +107,7 @@ class TaskSpec:
         name: Task name, as given to ``Dispatch`` and ``@task``.
         queue: Logical queue the task's runs are sent to.
         scope: ``tenant`` (tenant_id required), ``platform`` (forbidden) or ``any``.
-        timeout_seconds: Per-attempt limit in seconds, or None for the queue default.
+        timeout_seconds: Per-attempt limit in seconds; 0 means no limit; None the queue default.
         schedule: ``{"cron": ...}`` or ``{"every_seconds": ...}`` for recurring runs.
         description: Free text for humans.
     """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -306,8 +307,19 @@ def worker_command(
             from sqla_outbox import health
 
             report = health.check_services(settings, need_queues=True)
+            handlers = health.check_handlers(settings)
+            report.results.append(handlers)
             health.print_report(report, as_json=as_json)
-            sys.exit(EXIT_OK if report.ok else EXIT_CONNECT)
+            if not report.ok:  # 3: a service did not answer; 2: only the configuration is wrong
+                sys.exit(EXIT_CONFIG if report.ok_without(handlers) else EXIT_CONNECT)
+            sys.exit(EXIT_OK)
+        from sqla_outbox.logging import log_extra
+        from sqla_outbox.worker.registry import registry
+
+        for warning in registry.preflight(settings, queues=settings.worker_queues):
+            logging.getLogger("sqla_outbox.worker").warning(
+                warning, extra=log_extra(action="worker.preflight")
+            )
         worker = Worker(settings)
         probe = None
         if settings.health_port is not None:

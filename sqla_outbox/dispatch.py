@@ -104,6 +104,12 @@ class _Scheduled:
                 name_for_errors,
                 f"idempotency_key must be a non-empty string of at most {_MAX_KEY_LENGTH} characters",
             )
+        if idempotency_key is not None and not envelope_mod.storable_text(idempotency_key):
+            raise errors.InvalidDispatch(
+                name_for_errors,
+                "idempotency_key must not contain NUL characters or lone surrogates "
+                "(PostgreSQL text cannot store them)",
+            )
         self.idempotency_key = idempotency_key
         self.trace = tracing.current_carrier()
         self._prepared = None

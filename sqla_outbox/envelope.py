@@ -294,10 +294,10 @@ def decode(body: str, *, max_bytes: int) -> Envelope:
     if event is not None and not _NAME.match(event):
         raise MalformedEnvelope("bad-field", "event is not a valid event name")
     key = _optional(doc, "idempotency_key", str)
-    if key is not None and not _storable(key):
+    if key is not None and not storable_text(key):
         raise MalformedEnvelope("bad-field", "idempotency_key holds a NUL or a lone surrogate")
     payload_json = _field(doc, "payload", str)
-    if not _storable(payload_json):
+    if not storable_text(payload_json):
         raise MalformedEnvelope("bad-payload", "payload holds a NUL or a lone surrogate")
     try:
         strict_loads(payload_json)
@@ -305,7 +305,7 @@ def decode(body: str, *, max_bytes: int) -> Envelope:
         raise MalformedEnvelope("bad-payload", "payload is not JSON text") from None
     trace = doc.get("trace", {})
     if not isinstance(trace, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) and len(v) <= 512 and _storable(k + v)
+        isinstance(k, str) and isinstance(v, str) and len(v) <= 512 and storable_text(k + v)
         for k, v in trace.items()
     ):
         raise MalformedEnvelope("bad-field", "trace must map strings to short strings")
@@ -321,7 +321,7 @@ def decode(body: str, *, max_bytes: int) -> Envelope:
     )
 
 
-def _storable(text: str) -> bool:
+def storable_text(text: str) -> bool:
     """Whether PostgreSQL can hold ``text`` (no NUL, valid UTF-8: no lone surrogate).
 
     Every envelope the relay sends was read from a ``jsonb`` column, which refuses both

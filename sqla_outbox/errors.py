@@ -205,6 +205,25 @@ class NotFound(PermanentError):
     code = "not-found"
 
 
+class HandlerCommitForbidden(PermanentError):
+    """A handler called ``commit()`` on ``ctx.session``.
+
+    The worker commits the handler's session itself, in the same transaction that marks
+    the run ``succeeded``; a commit inside the handler would make its effects permanent
+    even when the attempt then fails, and repeat them on the retry. Use ``flush()`` to get
+    generated ids. Raised by the session's commit, so the attempt fails permanently.
+    """
+
+    code = "handler-commit-forbidden"
+
+    def __init__(self, task: str) -> None:
+        self.task = task
+        super().__init__(
+            f"task {task!r}: ctx.session.commit() inside a handler; the worker commits the session "
+            "with the run's success (use flush() for generated ids)"
+        )
+
+
 class Retry(OutboxError):
     """Retry this run after ``delay_seconds`` instead of the computed backoff.
 
@@ -216,6 +235,11 @@ class Retry(OutboxError):
     code = "retry"
 
     def __init__(self, delay_seconds: float, message: str | None = None) -> None:
+        if isinstance(delay_seconds, bool) or not isinstance(delay_seconds, int | float):
+            raise ConfigurationError(
+                f"delay_seconds must be a number of seconds, got {delay_seconds!r}",
+                option="Retry.delay_seconds",
+            )
         if not 0 <= delay_seconds <= 43_200:
             raise ConfigurationError(
                 f"delay_seconds must be within 0..43200, got {delay_seconds}",

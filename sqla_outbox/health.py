@@ -19,6 +19,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from sqla_outbox import errors
 from sqla_outbox.config import OutboxSettings, redact_url
 
 
@@ -98,6 +99,10 @@ class CheckReport:
     def ok(self) -> bool:
         return all(r.ok for r in self.results)
 
+    def ok_without(self, result: CheckResult) -> bool:
+        """Whether every check other than ``result`` passed."""
+        return all(r.ok for r in self.results if r is not result)
+
 
 def check_services(settings: OutboxSettings, *, need_queues: bool) -> CheckReport:
     """Reach PostgreSQL (and the outbox tables), Valkey and SQS; never raises."""
@@ -105,6 +110,19 @@ def check_services(settings: OutboxSettings, *, need_queues: bool) -> CheckRepor
     if need_queues:
         results.append(_check_queues(settings))
     return CheckReport(results)
+
+
+def check_handlers(settings: OutboxSettings) -> CheckResult:
+    """The worker's registered handlers against its queues (see ``Registry.preflight``)."""
+    from sqla_outbox.worker.registry import registry
+
+    try:
+        warnings = registry.preflight(settings, queues=settings.worker_queues)
+    except errors.ConfigurationError as exc:
+        return CheckResult("handlers", False, str(exc))
+    queues = ", ".join(settings.worker_queues)
+    detail = f"{len(registry.tasks)} tasks; queues {queues}"
+    return CheckResult("handlers", True, "; ".join([detail, *warnings]))
 
 
 def _check_database(settings: OutboxSettings) -> CheckResult:

@@ -57,9 +57,10 @@ PURGE_TASK = "maintenance.purge"
 """Name of the built-in purge task (queue ``maintenance``, platform scope)."""
 
 PURGE_SCHEDULE = {"cron": "17 3 * * *"}
+"""Daily at 03:17 UTC: off the hour, when nothing else tends to be scheduled."""
+
 BUILTIN_TASKS = (PURGE_TASK,)
 """Tasks sqla_outbox registers itself; workers always have them."""
-"""Daily at 03:17 UTC: off the hour, when nothing else tends to be scheduled."""
 
 LOCK_TIMEOUT_MS = 5000
 """``lock_timeout`` of each purge batch (SKIP LOCKED already avoids row-lock waits)."""

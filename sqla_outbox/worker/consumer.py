@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,15 +74,21 @@ class WorkerCounters:
 def import_task_modules(modules: tuple[str, ...] | list[str]) -> None:
     """Import the modules whose ``@task`` decorators register the handlers.
 
+    The current directory is put on ``sys.path`` first (as ``python -m`` and Celery do), so
+    ``sqla-outbox worker --imports myapp.tasks`` finds a project that is not installed.
+
     Raises:
         ConfigurationError: A module cannot be imported (names it).
     """
+    if modules and "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     for name in modules:
         try:
             importlib.import_module(name)
         except ImportError as exc:
             raise errors.ConfigurationError(
-                f"cannot import task module {name!r}: {exc}", option="SQLA_OUTBOX_WORKER_IMPORTS"
+                f"cannot import task module {name!r}: {exc}",
+                option="--imports / SQLA_OUTBOX_WORKER_IMPORTS",
             ) from exc
 
 

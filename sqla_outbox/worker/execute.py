@@ -9,13 +9,17 @@ heartbeats and SQS verdicts (``handle.py``); ``sqla_outbox.testing`` runs attemp
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from sqla_outbox import envelope
+from sqlalchemy import event
+from sqlalchemy.orm import Session
+
+from sqla_outbox import envelope, errors
 from sqla_outbox.logging import log_extra
 from sqla_outbox.worker import runs
 from sqla_outbox.worker.context import TaskContext
@@ -69,6 +73,24 @@ def call(definition: TaskDefinition, payload: Any, ctx: TaskContext) -> Any:
     return definition.handler(payload, ctx) if definition.takes_context else definition.handler(payload)
 
 
+@contextlib.contextmanager
+def _commit_refused(session: Session, task: str) -> Iterator[None]:
+    """While the handler runs, its session's ``commit()`` raises HandlerCommitForbidden.
+
+    SQLAlchemy's ``before_commit`` also fires when a savepoint (``begin_nested()``) is
+    released; that is allowed: only the outermost transaction's commit is refused."""
+
+    def refuse(session: Session) -> None:
+        if session.get_nested_transaction() is None:
+            raise errors.HandlerCommitForbidden(task)
+
+    event.listen(session, "before_commit", refuse)
+    try:
+        yield
+    finally:
+        event.remove(session, "before_commit", refuse)
+
+
 def run_sync(
     session_factory: Callable[[], Any],
     definition: TaskDefinition,
@@ -84,7 +106,8 @@ def run_sync(
     """
     with session_factory() as session:
         ctx.session = session
-        call(definition, payload, ctx)
+        with _commit_refused(session, definition.name):
+            call(definition, payload, ctx)
         if ctx.cancelled or not runs.mark_succeeded(session.connection(), attempt):
             session.rollback()
             raise LeaseLost
@@ -106,7 +129,8 @@ async def run_async(
     """
     async with session_factory() as session:
         ctx.session = session
-        await call(definition, payload, ctx)
+        with _commit_refused(session.sync_session, definition.name):
+            await call(definition, payload, ctx)
         won = await session.run_sync(lambda s: runs.mark_succeeded(s.connection(), attempt))
         if not won:
             await session.rollback()

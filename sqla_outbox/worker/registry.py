@@ -22,12 +22,14 @@ API side reads: ``sqla-outbox catalog write``.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from sqla_outbox import errors
 from sqla_outbox.catalog import Catalog, Scope, TaskSpec
+from sqla_outbox.config import OutboxSettings
 from sqla_outbox.types import QUEUE_NAMES
 
 DEFAULT_TIMEOUT_SECONDS: dict[str, float] = {
@@ -112,7 +114,7 @@ class TaskDefinition:
             name=self.name,
             queue=self.queue,
             scope=self.scope,
-            timeout_seconds=self.timeout_seconds if self.timeout_seconds else None,
+            timeout_seconds=self.timeout_seconds,
             schedule=self.schedule,
             description=self.description,
         )
@@ -140,8 +142,10 @@ class Registry:
         """Decorator registering a handler for ``name``.
 
         Raises:
-            ConfigurationError: Unknown queue or scope, a bad timeout, or ``name``
-                already registered to another function.
+            ConfigurationError: Unknown queue or scope, a bad timeout, a name or event name
+                outside ``[A-Za-z0-9_.:-]{1,200}``, a bad schedule (cron expression or
+                interval), or ``name`` already registered to another function. Raised
+                when the module is imported, not later when the catalog is written.
         """
         if queue not in QUEUE_NAMES:
             raise errors.ConfigurationError(
@@ -165,7 +169,7 @@ class Registry:
                 for p in inspect.signature(handler).parameters.values()
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
             ]
-            self.tasks[name] = TaskDefinition(
+            definition = TaskDefinition(
                 name=name,
                 handler=handler,
                 queue=queue,
@@ -179,6 +183,12 @@ class Registry:
                 is_async=inspect.iscoroutinefunction(handler),
                 takes_context=len(parameters) >= 2,
             )
+            try:  # the catalog's own rules (name pattern, schedule), checked at import time
+                Catalog.build([definition.spec()], {event: [name] for event in definition.subscribes})
+            except errors.CatalogError as exc:
+                where = f"{handler.__module__}.{getattr(handler, '__qualname__', handler)}"
+                raise errors.ConfigurationError(f"task {name!r} ({where}): {exc}", option="@task") from None
+            self.tasks[name] = definition
             return handler
 
         return decorate
@@ -189,6 +199,68 @@ class Registry:
             return self.tasks[name]
         except KeyError:
             raise errors.HandlerNotFound(name) from None
+
+    def preflight(self, settings: OutboxSettings, *, queues: Iterable[str]) -> list[str]:
+        """Check that a worker with these registrations can serve ``queues``.
+
+        Args:
+            settings: The worker's settings (``max_receive_count``, ``worker_max_receives``).
+            queues: The logical queues the worker will consume.
+
+        Returns:
+            Warnings (a consumed queue no registered task routes to: any message on it
+            would be dead-lettered as ``unknown-task``).
+
+        Raises:
+            ConfigurationError: No task besides the built-in ones is registered (the task
+                modules were not imported: every message would go to the DLQ); a task's or
+                the worker's ``max_receives`` is not below the queues' redrive
+                ``maxReceiveCount`` (SQS would move the message to the DLQ before the
+                worker records a verdict, leaving the run unfinished); an ``async def``
+                handler is registered but greenlet, which SQLAlchemy's asyncio support
+                needs, cannot be imported.
+        """
+        from sqla_outbox.maintenance import BUILTIN_TASKS
+
+        queues = tuple(queues)
+        own = [d for d in self.tasks.values() if d.name not in BUILTIN_TASKS]
+        if not own and any(queue != "maintenance" for queue in queues):
+            raise errors.ConfigurationError(
+                "no task handlers are registered: name your task modules (e.g. --imports "
+                "myapp.tasks); without them every message would go to the DLQ as unknown-task",
+                option="--imports / SQLA_OUTBOX_WORKER_IMPORTS",
+            )
+        redrive = settings.max_receive_count
+        if settings.worker_max_receives >= redrive:
+            raise errors.ConfigurationError(
+                f"worker_max_receives ({settings.worker_max_receives}) must be below the queues' "
+                f"redrive maxReceiveCount ({redrive}), or SQS dead-letters messages before the "
+                "worker records a verdict",
+                option="SQLA_OUTBOX_WORKER_MAX_RECEIVES",
+            )
+        for definition in self.tasks.values():
+            limit = definition.retry.max_receives
+            if limit is not None and limit >= redrive:
+                raise errors.ConfigurationError(
+                    f"task {definition.name!r}: RetryPolicy(max_receives={limit}) must be below the "
+                    f"queues' redrive maxReceiveCount ({redrive}), or SQS dead-letters messages "
+                    "before the worker records a verdict",
+                    option="@task(retry)",
+                )
+        if any(d.is_async for d in self.tasks.values()):
+            if importlib.util.find_spec("greenlet") is None:
+                names = ", ".join(sorted(d.name for d in self.tasks.values() if d.is_async))
+                raise errors.ConfigurationError(
+                    f"async handlers ({names}) need greenlet for SQLAlchemy's asyncio support: "
+                    "pip install greenlet",
+                    option="@task",
+                )
+        served = {d.queue for d in self.tasks.values()}
+        return [
+            f"no registered task uses queue {queue!r}: its messages would go to the DLQ as unknown-task"
+            for queue in queues
+            if queue not in served
+        ]
 
     def catalog(self) -> Catalog:
         """The catalog these registrations describe (events from ``subscribes``)."""

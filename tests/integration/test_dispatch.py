@@ -325,6 +325,8 @@ def test_bad_input_is_refused_at_add_and_nothing_is_written(
         ({"tenant_id": "3"}, errors.InvalidDispatch, "tenant_id must be an integer"),
         ({"tenant_id": True}, errors.InvalidDispatch, "tenant_id must be an integer"),
         ({"idempotency_key": ""}, errors.InvalidDispatch, "idempotency_key"),
+        ({"idempotency_key": "a\x00b"}, errors.InvalidDispatch, "NUL"),
+        ({"idempotency_key": "\ud800"}, errors.InvalidDispatch, "lone surrogate"),
         ({"run_id": "not-a-uuid"}, errors.InvalidDispatch, "run_id"),
     ],
 )

@@ -688,3 +688,41 @@ def test_the_plugin_module_imports_neither_helpers_nor_boto3():
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_a_handler_that_commits_its_session_fails_and_its_effects_roll_back(
+    app: sessionmaker[Session], engine: sa.Engine
+):
+    """The handler's session commits with the run's success, never before: a commit()
+    inside the handler would keep effects of an attempt that then fails (and repeat them)."""
+    registry = Registry()
+
+    @registry.task("audit")
+    def audit(payload: dict[str, Any], ctx: TaskContext) -> None:
+        ctx.session.execute(_EFFECT, _effect_params(ctx, "audit"))
+        if payload["commit"]:
+            ctx.session.commit()
+        with ctx.session.begin_nested():  # savepoints stay allowed
+            ctx.session.execute(_EFFECT, _effect_params(ctx, "savepoint"))
+
+    @registry.task("index_user", queue="bulk")
+    async def index_user(payload: dict[str, Any], ctx: TaskContext) -> None:
+        await ctx.session.execute(_EFFECT, _effect_params(ctx, "indexed"))
+        await ctx.session.commit()
+
+    with app.begin() as session:
+        committing = Dispatch("audit", {"commit": True})
+        fine = Dispatch("audit", {"commit": False})
+        committing_async = Dispatch("index_user", {"user_id": 1})
+        session.add_all([committing, fine, committing_async])
+
+    report = testing.run_pending(app, registry=registry)
+
+    for item in (committing, committing_async):
+        outcome = report.by_run_id(item.run_id)
+        assert (outcome.status, outcome.reason) == ("failed", "permanent-error")
+        assert outcome.error is not None
+        assert outcome.error.error_type == "sqla_outbox.errors.HandlerCommitForbidden"
+        assert "use flush()" in outcome.error.message
+    assert report.by_run_id(fine.run_id).status == "succeeded"
+    assert _notes(engine) == ["audit", "savepoint"]  # only the run that did not commit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -115,3 +116,65 @@ def test_registry_refuses_bad_options() -> None:
 
         @registry.task("x")
         def two(payload: dict) -> None: ...
+
+
+def test_bad_names_and_schedules_are_refused_when_the_module_is_imported() -> None:
+    registry = Registry()
+    with pytest.raises(errors.ConfigurationError, match="'bad name!'"):
+
+        @registry.task("bad name!")
+        def named(payload: dict) -> None: ...
+
+    with pytest.raises(errors.ConfigurationError, match=r"'nightly'.*cron"):
+
+        @registry.task("nightly", queue="maintenance", scope="platform", schedule={"cron": "61 * * * *"})
+        def nightly(payload: dict) -> None: ...
+
+    with pytest.raises(errors.ConfigurationError, match="'listener'"):
+
+        @registry.task("listener", subscribes=["order placed"])
+        def listener(payload: dict) -> None: ...
+
+    assert registry.tasks == {}
+
+
+def test_no_limit_timeout_is_written_to_the_catalog_as_zero() -> None:
+    registry = Registry()
+
+    @registry.task("forever", timeout_seconds=0)
+    def forever(payload: dict) -> None: ...
+
+    assert registry.get("forever").effective_timeout() is None
+    assert registry.catalog().task("forever").timeout_seconds == 0
+    assert json.loads(registry.catalog().to_json())["tasks"]["forever"]["timeout_seconds"] == 0
+
+
+def test_preflight_refuses_a_worker_that_would_dead_letter_its_traffic() -> None:
+    from sqla_outbox.config import OutboxSettings
+
+    settings = OutboxSettings()
+    builtins_only = Registry()
+    builtins_only.task("maintenance.purge", queue="maintenance", scope="platform")(lambda payload: None)
+    with pytest.raises(errors.ConfigurationError, match="no task handlers are registered"):
+        builtins_only.preflight(settings, queues=("critical", "default"))
+    assert builtins_only.preflight(settings, queues=("maintenance",)) == []
+
+    registry = Registry()
+    registry.task("send", queue="critical")(lambda payload: None)
+    warnings = registry.preflight(settings, queues=("critical", "bulk"))
+    assert warnings == [
+        "no registered task uses queue 'bulk': its messages would go to the DLQ as unknown-task"
+    ]
+    with pytest.raises(errors.ConfigurationError, match="SQLA_OUTBOX_WORKER_MAX_RECEIVES"):
+        registry.preflight(settings.replace(worker_max_receives=7), queues=("critical",))
+
+    registry.task("patient", retry=RetryPolicy(max_receives=10))(lambda payload: None)
+    with pytest.raises(errors.ConfigurationError, match=r"'patient'.*max_receives=10.*\(7\)"):
+        registry.preflight(settings, queues=("critical", "default"))
+    assert registry.preflight(settings.replace(max_receive_count=11), queues=("critical", "default")) == []
+
+
+@pytest.mark.parametrize("delay", ["30", None, True, -1, 43_201, float("nan")])
+def test_retry_with_a_bad_delay_says_what_is_wrong(delay: object) -> None:
+    with pytest.raises(errors.ConfigurationError, match=r"Retry\.delay_seconds"):
+        errors.Retry(delay)  # type: ignore[arg-type]

@@ -1,0 +1,78 @@
+"""Starting a worker that could only dead-letter its traffic is refused, with the reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sqla_outbox.config import OutboxSettings
+from tests.support import service_env
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = Path(sys.executable).with_name("sqla-outbox")
+
+
+def worker(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sqla_outbox.worker", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def test_worker_without_task_modules_refuses_to_start(settings: OutboxSettings, sqs_endpoint: str) -> None:
+    result = worker("--wait-seconds", "1", env=service_env(settings, sqs_endpoint))
+    assert result.returncode == 2
+    assert "no task handlers are registered" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_check_reports_the_handlers(
+    settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]
+) -> None:
+    env = service_env(settings, sqs_endpoint)
+    ok = worker("--check", "--json", "--imports", "tests.e2e.worker_tasks", env=env)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    checks = {c["service"]: c for c in json.loads(ok.stdout)["checks"]}
+    assert list(checks) == ["postgresql", "valkey", "sqs", "handlers"]
+    assert checks["handlers"]["ok"] and "tasks" in checks["handlers"]["detail"]
+
+    bare = worker("--check", "--json", env=env)
+    assert bare.returncode == 2  # only the configuration is wrong: the services answered
+    handlers = json.loads(bare.stdout)["checks"][-1]
+    assert handlers["service"] == "handlers" and not handlers["ok"]
+    assert "no task handlers are registered" in handlers["detail"]
+
+
+def test_retry_limit_at_or_above_the_redrive_limit_is_refused(
+    settings: OutboxSettings, sqs_endpoint: str
+) -> None:
+    env = service_env(settings, sqs_endpoint, SQLA_OUTBOX_WORKER_MAX_RECEIVES="7")
+    result = worker("--imports", "tests.e2e.worker_tasks", env=env)
+    assert result.returncode == 2
+    assert "must be below the queues' redrive maxReceiveCount (7)" in result.stderr
+
+
+def test_console_script_imports_task_modules_from_the_current_directory(tmp_path: Path) -> None:
+    (tmp_path / "shoptasks.py").write_text(
+        "from sqla_outbox.worker import task\n\n"
+        "@task('ship_order', queue='critical')\n"
+        "def ship_order(payload):\n"
+        "    pass\n"
+    )
+    result = subprocess.run(
+        [str(SCRIPT), "catalog", "write", "--imports", "shoptasks", "--output", "tasks.json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ship_order" in json.loads((tmp_path / "tasks.json").read_text())["tasks"]
