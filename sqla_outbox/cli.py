@@ -21,7 +21,7 @@ import click
 
 from sqla_outbox import errors
 from sqla_outbox import logging as outbox_logging
-from sqla_outbox.config import OutboxSettings, env_names
+from sqla_outbox.config import OutboxSettings, env_names, redact_url
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
@@ -72,10 +72,31 @@ def common_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+_loaded: dict[str, str] = {}
+"""``database``: the URL (password masked) of the settings the command loaded, for errors."""
+
+
 def load_settings(**overrides: Any) -> OutboxSettings:
-    """Settings from the environment with CLI overrides (``None`` means not given)."""
+    """Settings from the environment with CLI overrides (``None`` means not given).
+
+    Raises:
+        ConfigurationError: A value is invalid (see :meth:`OutboxSettings.from_env`).
+    """
     known = {f.name for f in dataclasses.fields(OutboxSettings)}
-    return OutboxSettings.from_env(**{k: v for k, v in overrides.items() if k in known})
+    settings = OutboxSettings.from_env(**{k: v for k, v in overrides.items() if k in known})
+    _loaded["database"] = redact_url(settings.database_url)
+    return settings
+
+
+def missing_tables_message(database: str, missing: list[str] | None = None) -> str:
+    """The one-line explanation for a database whose outbox tables do not exist.
+
+    Args:
+        database: The database URL with its password masked.
+        missing: The tables not found, when only some are missing.
+    """
+    which = f" ({', '.join(missing)} not found)" if missing and len(missing) < 4 else ""
+    return f"the outbox tables are missing in {database}{which}: run `sqla-outbox migrate`"
 
 
 def setup_logging(verbose: int, log_format: str) -> None:
@@ -99,10 +120,29 @@ def handle_errors(show_traceback: bool) -> Iterator[None]:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_CHECK_FAILED)
     except Exception as exc:
-        if show_traceback or not _is_connection_error(exc):
+        if show_traceback:
+            raise
+        if _is_missing_outbox_table(exc):
+            database = _loaded.get("database", "the configured database")
+            click.echo(f"error: {missing_tables_message(database)}", err=True)
+            sys.exit(EXIT_CONFIG)
+        if not _is_connection_error(exc):
             raise
         click.echo(f"error: cannot reach a service: {type(exc).__name__}: {exc}", err=True)
         sys.exit(EXIT_CONNECT)
+
+
+def _is_missing_outbox_table(exc: BaseException) -> bool:
+    """PostgreSQL said one of our tables does not exist (SQLSTATE 42P01, undefined_table)."""
+    import sqlalchemy.exc
+
+    from sqla_outbox import migrations
+
+    if not isinstance(exc, sqlalchemy.exc.ProgrammingError):
+        return False
+    if getattr(exc.orig, "sqlstate", None) != "42P01":
+        return False
+    return any(f'relation "{table}" does not exist' in str(exc.orig) for table in migrations.OUTBOX_TABLES)
 
 
 def _is_connection_error(exc: BaseException) -> bool:
@@ -265,18 +305,41 @@ def migrate_command(
 ) -> None:
     """Apply sqla_outbox's bundled migrations (standalone version table).
 
-    Applications with their own Alembic environment should add our revisions to it
-    instead (docs/alembic.md).
+    Prints what it did: `migrated <database> from <revision> to <revision> (head)`, or
+    that the database is already there. Applications with their own Alembic environment
+    should add our revisions to it instead (docs/alembic.md).
     """
     setup_logging(verbose, log_format)
     with handle_errors(traceback):
         settings = load_settings(**options)
         from sqla_outbox import migrations
 
+        if sql:  # offline: the SQL goes to stdout, nothing is applied
+            (migrations.downgrade if downgrade else migrations.upgrade)(
+                settings.sqlalchemy_url, revision, sql=True
+            )
+            return
+        before = migrations.current_revisions(settings.sqlalchemy_url)
         if downgrade:
-            migrations.downgrade(settings.sqlalchemy_url, revision, sql=sql)
+            migrations.downgrade(settings.sqlalchemy_url, revision)
         else:
-            migrations.upgrade(settings.sqlalchemy_url, revision, sql=sql)
+            migrations.upgrade(settings.sqlalchemy_url, revision)
+        after = migrations.current_revisions(settings.sqlalchemy_url)
+        click.echo(_migration_summary(redact_url(settings.database_url), before, after, downgrade))
+
+
+def _migration_summary(
+    database: str, before: tuple[str, ...], after: tuple[str, ...], downgrade: bool
+) -> str:
+    from sqla_outbox import migrations
+
+    def shown(revisions: tuple[str, ...]) -> str:
+        label = ", ".join(revisions) or "base"
+        return f"{label} (head)" if revisions and revisions == migrations.head_revisions() else label
+
+    if before == after:
+        return f"{database} is already at {shown(after)}; nothing to do"
+    return f"{'downgraded' if downgrade else 'migrated'} {database} from {shown(before)} to {shown(after)}"
 
 
 @main.command("worker")

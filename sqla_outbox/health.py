@@ -124,7 +124,7 @@ def _check_database(settings: OutboxSettings) -> CheckResult:
     except Exception as exc:
         return CheckResult("postgresql", False, f"{url}: {type(exc).__name__}")
     if present < 4:
-        return CheckResult("postgresql", False, f"{url}: outbox tables missing (run migrations)")
+        return CheckResult("postgresql", False, f"{url}: outbox tables missing (run `sqla-outbox migrate`)")
     return CheckResult("postgresql", True, url)
 
 

@@ -37,11 +37,12 @@ from sqla_outbox.cli import (
     handle_errors,
     load_settings,
     main,
+    missing_tables_message,
     print_json,
     setting,
     setup_logging,
 )
-from sqla_outbox.config import OutboxSettings
+from sqla_outbox.config import OutboxSettings, redact_url
 from sqla_outbox.ops.durations import format_age, parse_duration
 from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
 
@@ -118,14 +119,32 @@ def _text(value: Any) -> str:
 
 
 def _engine(settings: OutboxSettings) -> Any:
+    """An engine on the outbox database, after checking that the outbox tables exist.
+
+    Raises:
+        ConfigurationError: Some outbox table is missing (the database was never migrated).
+        sqlalchemy.exc.OperationalError: The database cannot be reached.
+    """
     import sqlalchemy as sa
 
-    return sa.create_engine(
+    from sqla_outbox import migrations
+
+    engine = sa.create_engine(
         settings.sqlalchemy_url,
         pool_size=1,
         max_overflow=1,
         connect_args={"connect_timeout": 10, "application_name": "sqla_outbox-ops"},
     )
+    try:
+        with engine.connect() as connection:
+            missing = migrations.missing_tables(connection)
+    except BaseException:
+        engine.dispose()
+        raise
+    if missing:
+        engine.dispose()
+        raise errors.ConfigurationError(missing_tables_message(redact_url(settings.database_url), missing))
+    return engine
 
 
 def _sqs(settings: OutboxSettings) -> Any:
