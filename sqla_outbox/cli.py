@@ -163,12 +163,38 @@ def _is_connection_error(exc: BaseException) -> bool:
     )
 
 
-def console() -> Any:
-    """A rich console; piped output (less, a file) gets 200 columns instead of 80."""
+def console(*, stderr: bool = False, quiet: bool = False) -> Any:
+    """A rich console that prints every string literally.
+
+    Markup and emoji codes are off: run ids, task names, idempotency keys, error messages,
+    URLs and queue names come from users and the database, and ``[/7]``, ``[bold]`` or
+    ``:warning:`` in them must show as typed (with markup on, rich raises ``MarkupError``
+    on some and silently drops others). Colour goes through :func:`styled` instead.
+
+    Args:
+        stderr: Print to stderr (progress and notices) instead of stdout.
+        quiet: Print nothing (the ``--json`` mode of commands that also show progress).
+
+    Returns:
+        A ``rich.console.Console``. Output that is not a terminal (less, a file) is 200
+        columns wide instead of 80, unless ``COLUMNS`` sets the width.
+    """
+    import os
+
     from rich.console import Console
 
-    terminal = Console()
-    return terminal if terminal.is_terminal else Console(width=200)
+    options: dict[str, Any] = {"markup": False, "emoji": False, "stderr": stderr, "quiet": quiet}
+    terminal = Console(**options)
+    if terminal.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+        return terminal
+    return Console(width=200, **options)
+
+
+def styled(text: str, style: str) -> Any:
+    """``text`` as a ``rich.text.Text`` in ``style`` (``"red"``), never parsed as markup."""
+    from rich.text import Text
+
+    return Text(text, style=style)
 
 
 def print_json(document: Any) -> None:

@@ -41,7 +41,8 @@ from typing import Any
 
 import click
 
-from sqla_outbox.cli import EXIT_CHECK_FAILED, EXIT_CONFIG, EXIT_OK, main
+from sqla_outbox.cli import EXIT_CHECK_FAILED, EXIT_CONFIG, EXIT_OK, main, styled
+from sqla_outbox.cli import console as make_console
 from sqla_outbox.config import OutboxSettings, redact_url
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -522,16 +523,14 @@ def _dlq_contents(settings: OutboxSettings, env: dict[str, str]) -> list[dict[st
 
 # --- output ------------------------------------------------------------------------------
 def _console(quiet: bool) -> Any:
-    from rich.console import Console
-
-    return Console(stderr=True, quiet=quiet)
+    return make_console(stderr=True, quiet=quiet)
 
 
-def _print_summary(summary: dict[str, Any], console: Any) -> None:
-    from rich.console import Console
+def _print_summary(summary: dict[str, Any], progress: Any) -> None:
+    """The human summary on stdout; every value is printed literally (no rich markup)."""
     from rich.table import Table
 
-    out = Console()
+    out = make_console()
     table = Table(title="runs by status")
     table.add_column("status")
     table.add_column("runs", justify="right")
@@ -549,11 +548,17 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
         dlq.add_row(item["queue"], item["task"], item["run_id"][:8], item["reason"], item["error"])
     out.print(dlq)
     if summary["ok"]:
-        out.print(f"[green]OK[/]: all {summary['runs_found']} committed runs reached their expected status")
+        out.print(
+            styled("OK", "green"),
+            f": all {summary['runs_found']} committed runs reached their expected status",
+            sep="",
+        )
     else:
         out.print(
-            f"[red]FAILED[/]: {summary['runs_found']}/{summary['runs_expected']} runs found, "
-            f"{len(summary['unexpected'])} with an unexpected status"
+            styled("FAILED", "red"),
+            f": {summary['runs_found']}/{summary['runs_expected']} runs found, "
+            f"{len(summary['unexpected'])} with an unexpected status",
+            sep="",
         )
         for item in summary["unexpected"][:20]:
             out.print(f"  {item}")
