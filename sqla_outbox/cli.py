@@ -233,7 +233,12 @@ def main() -> None:
 @setting("relay_batch_size", "--batch-size", type=int)
 @setting("relay_send_concurrency", "--send-concurrency", type=int)
 @setting("health_port", "--health-port", type=int)
-@click.option("--once", is_flag=True, help="Run one pass (if no other relay is active) and exit.")
+@click.option(
+    "--once",
+    is_flag=True,
+    help="Run one pass and exit; when another relay is active, do nothing (exit code 0, "
+    '"leader": false in --json).',
+)
 @click.option("--check", is_flag=True, help="Check the database, Valkey and SQS, then exit.")
 @click.option("--json", "as_json", is_flag=True, help="With --once/--check: print JSON.")
 def relay_command(
@@ -256,9 +261,11 @@ def relay_command(
             result = relay.run_once()
             if as_json:
                 print_json(dataclasses.asdict(result))
+            elif not result.leader:
+                click.echo("another relay is active; nothing done (it sends the pending rows)")
             else:
                 click.echo(f"claimed {result.claimed}, sent {result.sent}, failed {result.failed}")
-            return
+            return  # exit code 0 either way: the active relay does the work
         probe = None
         if settings.health_port is not None:
             from sqla_outbox.health import ProbeServer

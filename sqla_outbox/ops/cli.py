@@ -622,9 +622,9 @@ def _render_requeue(report: Any) -> None:
             why,
         )
     console.print(table)
-    wake = (
-        "" if report.dry_run else (" (relay woken)" if report.woke else " (the relay's sweep will send them)")
-    )
+    wake = ""
+    if report.requeued and not report.dry_run:  # the note is about the runs just requeued
+        wake = " (relay woken)" if report.woke else " (the relay's sweep will send them)"
     console.print(f"{verb} {report.requeued}, skipped {report.skipped}{wake}")
     for name in report.missing_queues:
         console.print(styled(f"missing DLQ {name} (run `sqla-outbox provision`)", "yellow"))

@@ -278,3 +278,43 @@ def test_migrate_without_a_tenant_foreign_key_needs_no_tenants_table(empty_datab
     migrated = cli("migrate", env=env)
     assert migrated.returncode == 0, migrated.stderr
     assert migrated.stdout.startswith("migrated ") and "to sqlaob_0001 (head)" in migrated.stdout
+
+
+def test_relay_once_reports_that_another_relay_is_active(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    queues: dict[str, str],
+) -> None:
+    env = service_env(settings, sqs_endpoint)
+    with app() as session, session.begin():
+        item = Dispatch("audit", {})
+        session.add(item)
+    with engine.connect() as leader:  # holds the lock the way an active relay does
+        assert leader.execute(
+            sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": settings.relay_lock_id}
+        ).scalar()
+        leader.commit()
+        skipped = cli("relay", "--once", "--json", env=env)
+        assert skipped.returncode == 0, skipped.stderr
+        assert json.loads(skipped.stdout) == {
+            "claimed": 0,
+            "sent": 0,
+            "failed": 0,
+            "full": False,
+            "leader": False,
+        }
+        human = cli("relay", "--once", env=env)
+        assert (human.returncode, human.stdout) == (
+            0,
+            "another relay is active; nothing done (it sends the pending rows)\n",
+        )
+        assert status_of(engine, item.run_id) == "queued"
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT sent_at FROM platform_outbox_messages")).scalar() is None
+        leader.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": settings.relay_lock_id})
+        leader.commit()
+    done = cli("relay", "--once", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"claimed": 1, "sent": 1, "failed": 0, "full": False, "leader": True}

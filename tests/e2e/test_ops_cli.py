@@ -360,9 +360,17 @@ def test_dlq_requeue_guardrails_dry_run_and_json_shape(
     human_refusal = cli(env, "dlq", "requeue", "--run-id", str(keyed))
     assert human_refusal.returncode == 1 and "idempotency-conflict" in human_refusal.stdout
     assert "requeued 0, skipped 1" in human_refusal.stdout
+    human_done = cli(env, "dlq", "requeue", "--run-id", str(done))
+    assert human_done.returncode == 1 and "not-failed" in human_done.stdout
+    # nothing was requeued: no word about the relay sending "them"
+    assert human_done.stdout.rstrip().endswith("requeued 0, skipped 1")
 
     human_dry = cli(env, "dlq", "requeue", "--task", "audit", "--dry-run")
     assert human_dry.returncode == 0 and "would requeue 1, skipped 1" in human_dry.stdout
+
+    human = cli(env, "dlq", "requeue", "--run-id", str(fixable))
+    assert human.returncode == 0, human.stderr
+    assert human.stdout.rstrip().endswith("requeued 1, skipped 0 (relay woken)")
 
 
 def test_requeued_run_goes_through_relay_and_worker_again_and_succeeds(
