@@ -22,7 +22,7 @@ import click
 
 from sqla_outbox import errors
 from sqla_outbox import logging as outbox_logging
-from sqla_outbox.config import OutboxSettings, env_names
+from sqla_outbox.config import OutboxSettings, env_names, redact_url
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
@@ -73,10 +73,31 @@ def common_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+_loaded: dict[str, str] = {}
+"""``database``: the URL (password masked) of the settings the command loaded, for errors."""
+
+
 def load_settings(**overrides: Any) -> OutboxSettings:
-    """Settings from the environment with CLI overrides (``None`` means not given)."""
+    """Settings from the environment with CLI overrides (``None`` means not given).
+
+    Raises:
+        ConfigurationError: A value is invalid (see :meth:`OutboxSettings.from_env`).
+    """
     known = {f.name for f in dataclasses.fields(OutboxSettings)}
-    return OutboxSettings.from_env(**{k: v for k, v in overrides.items() if k in known})
+    settings = OutboxSettings.from_env(**{k: v for k, v in overrides.items() if k in known})
+    _loaded["database"] = redact_url(settings.database_url)
+    return settings
+
+
+def missing_tables_message(database: str, missing: list[str] | None = None) -> str:
+    """The one-line explanation for a database whose outbox tables do not exist.
+
+    Args:
+        database: The database URL with its password masked.
+        missing: The tables not found, when only some are missing.
+    """
+    which = f" ({', '.join(missing)} not found)" if missing and len(missing) < 4 else ""
+    return f"the outbox tables are missing in {database}{which}: run `sqla-outbox migrate`"
 
 
 def setup_logging(verbose: int, log_format: str) -> None:
@@ -100,10 +121,29 @@ def handle_errors(show_traceback: bool) -> Iterator[None]:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_CHECK_FAILED)
     except Exception as exc:
-        if show_traceback or not _is_connection_error(exc):
+        if show_traceback:
+            raise
+        if _is_missing_outbox_table(exc):
+            database = _loaded.get("database", "the configured database")
+            click.echo(f"error: {missing_tables_message(database)}", err=True)
+            sys.exit(EXIT_CONFIG)
+        if not _is_connection_error(exc):
             raise
         click.echo(f"error: cannot reach a service: {type(exc).__name__}: {exc}", err=True)
         sys.exit(EXIT_CONNECT)
+
+
+def _is_missing_outbox_table(exc: BaseException) -> bool:
+    """PostgreSQL said one of our tables does not exist (SQLSTATE 42P01, undefined_table)."""
+    import sqlalchemy.exc
+
+    from sqla_outbox import migrations
+
+    if not isinstance(exc, sqlalchemy.exc.ProgrammingError):
+        return False
+    if getattr(exc.orig, "sqlstate", None) != "42P01":
+        return False
+    return any(f'relation "{table}" does not exist' in str(exc.orig) for table in migrations.OUTBOX_TABLES)
 
 
 def _is_connection_error(exc: BaseException) -> bool:
@@ -124,12 +164,38 @@ def _is_connection_error(exc: BaseException) -> bool:
     )
 
 
-def console() -> Any:
-    """A rich console; piped output (less, a file) gets 200 columns instead of 80."""
+def console(*, stderr: bool = False, quiet: bool = False) -> Any:
+    """A rich console that prints every string literally.
+
+    Markup and emoji codes are off: run ids, task names, idempotency keys, error messages,
+    URLs and queue names come from users and the database, and ``[/7]``, ``[bold]`` or
+    ``:warning:`` in them must show as typed (with markup on, rich raises ``MarkupError``
+    on some and silently drops others). Colour goes through :func:`styled` instead.
+
+    Args:
+        stderr: Print to stderr (progress and notices) instead of stdout.
+        quiet: Print nothing (the ``--json`` mode of commands that also show progress).
+
+    Returns:
+        A ``rich.console.Console``. Output that is not a terminal (less, a file) is 200
+        columns wide instead of 80, unless ``COLUMNS`` sets the width.
+    """
+    import os
+
     from rich.console import Console
 
-    terminal = Console()
-    return terminal if terminal.is_terminal else Console(width=200)
+    options: dict[str, Any] = {"markup": False, "emoji": False, "stderr": stderr, "quiet": quiet}
+    terminal = Console(**options)
+    if terminal.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+        return terminal
+    return Console(width=200, **options)
+
+
+def styled(text: str, style: str) -> Any:
+    """``text`` as a ``rich.text.Text`` in ``style`` (``"red"``), never parsed as markup."""
+    from rich.text import Text
+
+    return Text(text, style=style)
 
 
 def print_json(document: Any) -> None:
@@ -168,7 +234,12 @@ def main() -> None:
 @setting("relay_batch_size", "--batch-size", type=int)
 @setting("relay_send_concurrency", "--send-concurrency", type=int)
 @setting("health_port", "--health-port", type=int)
-@click.option("--once", is_flag=True, help="Run one pass (if no other relay is active) and exit.")
+@click.option(
+    "--once",
+    is_flag=True,
+    help="Run one pass and exit; when another relay is active, do nothing (exit code 0, "
+    '"leader": false in --json).',
+)
 @click.option("--check", is_flag=True, help="Check the database, Valkey and SQS, then exit.")
 @click.option("--json", "as_json", is_flag=True, help="With --once/--check: print JSON.")
 def relay_command(
@@ -191,9 +262,11 @@ def relay_command(
             result = relay.run_once()
             if as_json:
                 print_json(dataclasses.asdict(result))
+            elif not result.leader:
+                click.echo("another relay is active; nothing done (it sends the pending rows)")
             else:
                 click.echo(f"claimed {result.claimed}, sent {result.sent}, failed {result.failed}")
-            return
+            return  # exit code 0 either way: the active relay does the work
         probe = None
         if settings.health_port is not None:
             from sqla_outbox.health import ProbeServer
@@ -266,18 +339,41 @@ def migrate_command(
 ) -> None:
     """Apply sqla_outbox's bundled migrations (standalone version table).
 
-    Applications with their own Alembic environment should add our revisions to it
-    instead (docs/alembic.md).
+    Prints what it did: `migrated <database> from <revision> to <revision> (head)`, or
+    that the database is already there. Applications with their own Alembic environment
+    should add our revisions to it instead (docs/alembic.md).
     """
     setup_logging(verbose, log_format)
     with handle_errors(traceback):
         settings = load_settings(**options)
         from sqla_outbox import migrations
 
+        if sql:  # offline: the SQL goes to stdout, nothing is applied
+            (migrations.downgrade if downgrade else migrations.upgrade)(
+                settings.sqlalchemy_url, revision, sql=True
+            )
+            return
+        before = migrations.current_revisions(settings.sqlalchemy_url)
         if downgrade:
-            migrations.downgrade(settings.sqlalchemy_url, revision, sql=sql)
+            migrations.downgrade(settings.sqlalchemy_url, revision)
         else:
-            migrations.upgrade(settings.sqlalchemy_url, revision, sql=sql)
+            migrations.upgrade(settings.sqlalchemy_url, revision)
+        after = migrations.current_revisions(settings.sqlalchemy_url)
+        click.echo(_migration_summary(redact_url(settings.database_url), before, after, downgrade))
+
+
+def _migration_summary(
+    database: str, before: tuple[str, ...], after: tuple[str, ...], downgrade: bool
+) -> str:
+    from sqla_outbox import migrations
+
+    def shown(revisions: tuple[str, ...]) -> str:
+        label = ", ".join(revisions) or "base"
+        return f"{label} (head)" if revisions and revisions == migrations.head_revisions() else label
+
+    if before == after:
+        return f"{database} is already at {shown(after)}; nothing to do"
+    return f"{'downgraded' if downgrade else 'migrated'} {database} from {shown(before)} to {shown(after)}"
 
 
 @main.command("worker")

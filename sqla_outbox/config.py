@@ -16,10 +16,15 @@ generated from the field metadata below (``python -m sqla_outbox config-referenc
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
+
+from sqlalchemy import exc as sqlalchemy_exc
+from sqlalchemy.engine import make_url
 
 from sqla_outbox import errors
 from sqla_outbox.types import QUEUE_NAMES
@@ -57,7 +62,8 @@ class OutboxSettings:
     database_url: str = _setting(
         "postgresql+psycopg://postgres@127.0.0.1:5432/postgres",
         "SQLAlchemy URL of the PostgreSQL database holding the outbox tables. "
-        "`postgresql://` URLs are used with the psycopg 3 driver.",
+        "`postgresql://` URLs are used with the psycopg 3 driver; only PostgreSQL through "
+        "psycopg 3 (`postgresql://`, `postgres://`, `postgresql+psycopg://`) is supported.",
         aliases=("DATABASE_URL",),
     )
     valkey_url: str | None = _setting(
@@ -68,8 +74,9 @@ class OutboxSettings:
     )
     sqs_endpoint_url: str | None = _setting(
         None,
-        "SQS endpoint override (LocalStack, a moto server). Unset: boto3's default endpoint "
-        "for the region (boto3 also honours `AWS_ENDPOINT_URL_SQS`).",
+        "SQS endpoint override (LocalStack, a moto server): an `http://` or `https://` URL. "
+        "Unset: boto3's default endpoint for the region (boto3 also honours "
+        "`AWS_ENDPOINT_URL_SQS`).",
         aliases=("SQS_ENDPOINT_URL",),
     )
 
@@ -130,7 +137,8 @@ class OutboxSettings:
         "Secret keys for message signatures, comma-separated. The relay signs every message "
         "with the first (HMAC-SHA256 of the body, attribute `signature`); workers accept any "
         "of them and send unsigned or badly signed messages to the DLQ unexecuted. Empty: "
-        "no signing. List the new key first and keep the old one while rotating.",
+        "no signing. Each key must be at least 16 characters long. List the new key first and "
+        "keep the old one while rotating.",
     )
 
     # --- relay ---------------------------------------------------------------------------
@@ -151,7 +159,8 @@ class OutboxSettings:
     relay_backoff_max_seconds: float = _setting(300.0, "Cap of the relay's send backoff.", unit="s")
     relay_lock_id: int = _setting(
         0x5351_4C41_4F42,
-        "PostgreSQL advisory lock key that elects the one active relay per database.",
+        "PostgreSQL advisory lock key that elects the one active relay per database "
+        "(a base-10 integer in the environment).",
     )
     relay_standby_poll_seconds: float = _setting(
         1.0, "How often a standby relay tries to take the advisory lock.", unit="s"
@@ -319,9 +328,9 @@ def _parse(field: dataclasses.Field[Any], raw: str, name: str) -> Any:
                 return False
             raise ValueError(f"expected true/false, got {raw!r}")
         if kind.startswith("int"):
-            return int(text, 0)
+            return _parse_int(text, raw)
         if kind.startswith("float"):
-            return float(text)
+            return _parse_float(text, raw)
         if kind.startswith("tuple"):
             return tuple(part.strip() for part in text.split(",") if part.strip())
         return text
@@ -329,13 +338,83 @@ def _parse(field: dataclasses.Field[Any], raw: str, name: str) -> Any:
         raise errors.ConfigurationError(str(exc), option=name) from exc
 
 
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def _parse_int(text: str, raw: str) -> int:
+    """A base-10 integer (``010`` is ten; ``0x10``, ``1_000`` and ``8.0`` are refused)."""
+    if _INTEGER.fullmatch(text) is None:
+        raise ValueError(f"expected a whole number in base 10 (like 8), got {raw!r}")
+    return int(text, 10)
+
+
+def _parse_float(text: str, raw: str) -> float:
+    """A finite decimal number (``2``, ``2.5``, ``1e3``); ``nan``/``inf`` and ``1_000`` are refused."""
+    if _DECIMAL.fullmatch(text) is None:
+        raise ValueError(f"expected a number (like 2.5), got {raw!r}")
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {raw!r}")
+    return value
+
+
 def _check(condition: bool, field: str, message: str) -> None:
     if not condition:
         raise errors.ConfigurationError(message, option=ENV_PREFIX + field.upper())
 
 
+def _check_database_url(url: str) -> None:
+    """Refuse URLs SQLAlchemy cannot parse and databases other than PostgreSQL via psycopg 3.
+
+    Raises:
+        ConfigurationError: Naming ``SQLA_OUTBOX_DATABASE_URL``; the message shows the URL
+            with its password masked.
+    """
+    shown = redact_url(url)
+    try:
+        parsed = make_url(sqlalchemy_url(url))
+    except (sqlalchemy_exc.ArgumentError, ValueError):
+        _check(
+            False,
+            "database_url",
+            f"{shown!r} is not a database URL; expected postgresql://user:password@host:5432/database",
+        )
+        return
+    backend, _, driver = parsed.drivername.partition("+")
+    _check(
+        backend == "postgresql" and driver in ("", "psycopg"),
+        "database_url",
+        f"{parsed.drivername!r} is not supported ({shown}): sqla_outbox supports only PostgreSQL "
+        "through psycopg 3; use postgresql://user:password@host:5432/database",
+    )
+
+
+def _check_endpoint_url(url: str) -> None:
+    """Refuse an SQS endpoint that is not an absolute ``http(s)://host[:port]`` URL."""
+    try:
+        parts = urlsplit(url)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+        valid = valid and (parts.port is None or parts.port > 0)
+    except ValueError:  # a port that is not a number
+        valid = False
+    _check(
+        valid,
+        "sqs_endpoint_url",
+        f"{redact_url(url)!r} is not an http:// or https:// URL (example: http://127.0.0.1:4566); "
+        "unset it to use AWS's endpoint for the region",
+    )
+
+
 def _validate(s: OutboxSettings) -> None:
     _check(bool(s.database_url), "database_url", "must not be empty")
+    _check_database_url(s.database_url)
+    if s.sqs_endpoint_url is not None:
+        _check_endpoint_url(s.sqs_endpoint_url)
+    for field in dataclasses.fields(s):
+        value = getattr(s, field.name)
+        if isinstance(value, float):
+            _check(math.isfinite(value), field.name, f"must be a finite number, got {value!r}")
     _check(1 <= s.wake_timeout_ms <= 10_000, "wake_timeout_ms", "must be within 1..10000 ms")
     _check(s.wake_retry_seconds >= 0, "wake_retry_seconds", "must be >= 0")
     _check(s.wake_list_max >= 1, "wake_list_max", "must be >= 1")

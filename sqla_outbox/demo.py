@@ -41,7 +41,8 @@ from typing import Any
 
 import click
 
-from sqla_outbox.cli import EXIT_CHECK_FAILED, EXIT_CONFIG, EXIT_OK, main
+from sqla_outbox.cli import EXIT_CHECK_FAILED, EXIT_CONFIG, EXIT_OK, main, styled
+from sqla_outbox.cli import console as make_console
 from sqla_outbox.config import OutboxSettings, redact_url
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -132,6 +133,14 @@ def _services(database_name: str, console: Any, keep: bool) -> Iterator[dict[str
         database_url = _fresh_database(server_url, database_name)
         if not keep:
             stack.callback(_drop_database, server_url, database_name)
+        _header(
+            console,
+            "PostgreSQL",
+            redact_url(database_url),
+            "a fresh database, kept afterwards (--keep)"
+            if keep
+            else "a fresh database, dropped at the end (--keep keeps it)",
+        )
         endpoint = _sqs(stack, console)
         valkey = _valkey(console)
         env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_OUTBOX_")}
@@ -169,7 +178,6 @@ def _postgres(stack: contextlib.ExitStack, console: Any) -> str:
     )
     try:
         psycopg.connect(url, connect_timeout=5).close()
-        console.print(f"PostgreSQL: {redact_url(url)}")
         return url
     except psycopg.OperationalError as exc:
         reason = str(exc).strip().splitlines()[0]
@@ -207,7 +215,7 @@ def _drop_database(server_url: str, name: str) -> None:
 def _sqs(stack: contextlib.ExitStack, console: Any) -> str:
     configured = os.environ.get("SQLA_OUTBOX_SQS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_SQS")
     if configured:
-        console.print(f"SQS: {configured}")
+        _header(console, "SQS", redact_url(configured))
         return configured
     try:
         from moto.server import ThreadedMotoServer
@@ -227,7 +235,9 @@ def _sqs(stack: contextlib.ExitStack, console: Any) -> str:
     server.start()
     stack.callback(server.stop)
     endpoint = f"http://127.0.0.1:{port}"
-    console.print(f"SQS: in-process moto server at {endpoint} (no SQLA_OUTBOX_SQS_ENDPOINT_URL set)")
+    _header(
+        console, "SQS", f"in-process moto server at {endpoint}", "SQLA_OUTBOX_SQS_ENDPOINT_URL is not set"
+    )
     return endpoint
 
 
@@ -236,17 +246,35 @@ def _valkey(console: Any) -> str | None:
 
     url = OutboxSettings.from_env().valkey_url
     if url is None:
-        console.print("Valkey: not configured; the relay finds work by sweeping")
+        _header(console, "Valkey", "not configured", "the relay finds work by sweeping")
         return None
     try:
         redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2).ping()
     except redis.RedisError:
-        console.print(
-            f"Valkey: not reachable at {redact_url(url)}; running sweep-only (runs arrive within 5 s)"
+        _header(
+            console,
+            "Valkey",
+            f"not reachable at {redact_url(url)}",
+            "running sweep-only (runs arrive within 5 s)",
         )
         return None
-    console.print(f"Valkey: {redact_url(url)}")
+    _header(console, "Valkey", redact_url(url))
     return url
+
+
+def _header(console: Any, label: str, value: str, *notes: str) -> None:
+    """One service line of the demo's header: ``label`` in a fixed column, ``value`` beside
+    it, each note on a line of its own below the value, so a narrow terminal wraps inside
+    the value column instead of splitting a phrase across the left margin."""
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True, min_width=11)
+    grid.add_column(overflow="fold")
+    grid.add_row(f"{label}:", value)
+    for note in notes:
+        grid.add_row("", note)
+    console.print(grid)
 
 
 # --- the run -----------------------------------------------------------------------------
@@ -522,16 +550,14 @@ def _dlq_contents(settings: OutboxSettings, env: dict[str, str]) -> list[dict[st
 
 # --- output ------------------------------------------------------------------------------
 def _console(quiet: bool) -> Any:
-    from rich.console import Console
-
-    return Console(stderr=True, quiet=quiet)
+    return make_console(stderr=True, quiet=quiet)
 
 
-def _print_summary(summary: dict[str, Any], console: Any) -> None:
-    from rich.console import Console
+def _print_summary(summary: dict[str, Any], progress: Any) -> None:
+    """The human summary on stdout; every value is printed literally (no rich markup)."""
     from rich.table import Table
 
-    out = Console()
+    out = make_console()
     table = Table(title="runs by status")
     table.add_column("status")
     table.add_column("runs", justify="right")
@@ -549,11 +575,17 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
         dlq.add_row(item["queue"], item["task"], item["run_id"][:8], item["reason"], item["error"])
     out.print(dlq)
     if summary["ok"]:
-        out.print(f"[green]OK[/]: all {summary['runs_found']} committed runs reached their expected status")
+        out.print(
+            styled("OK", "green"),
+            f": all {summary['runs_found']} committed runs reached their expected status",
+            sep="",
+        )
     else:
         out.print(
-            f"[red]FAILED[/]: {summary['runs_found']}/{summary['runs_expected']} runs found, "
-            f"{len(summary['unexpected'])} with an unexpected status"
+            styled("FAILED", "red"),
+            f": {summary['runs_found']}/{summary['runs_expected']} runs found, "
+            f"{len(summary['unexpected'])} with an unexpected status",
+            sep="",
         )
         for item in summary["unexpected"][:20]:
             out.print(f"  {item}")

@@ -142,7 +142,7 @@ def _check_database(settings: OutboxSettings) -> CheckResult:
     except Exception as exc:
         return CheckResult("postgresql", False, f"{url}: {type(exc).__name__}")
     if present < 4:
-        return CheckResult("postgresql", False, f"{url}: outbox tables missing (run migrations)")
+        return CheckResult("postgresql", False, f"{url}: outbox tables missing (run `sqla-outbox migrate`)")
     return CheckResult("postgresql", True, url)
 
 
@@ -183,11 +183,11 @@ def print_report(report: CheckReport, *, as_json: bool) -> None:
         return
     from rich.table import Table
 
-    from sqla_outbox.cli import console
+    from sqla_outbox.cli import console, styled
 
     table = Table(title="sqla_outbox services")
     for column in ("service", "status", "detail"):
         table.add_column(column)
     for r in report.results:
-        table.add_row(r.service, "[green]ok[/]" if r.ok else "[red]FAILED[/]", r.detail)
+        table.add_row(r.service, styled("ok", "green") if r.ok else styled("FAILED", "red"), r.detail)
     console().print(table)

@@ -40,6 +40,9 @@ VERSION_TABLE = "sqla_outbox_alembic_version"
 
 _NONE = {"", "none", "null", "off"}
 
+OUTBOX_TABLES = ("outbox_messages", "platform_outbox_messages", "task_runs", "task_run_trail")
+"""The tables the migrations create (the version table aside)."""
+
 
 def tenant_foreign_key() -> str | None:
     """The FK target for ``outbox_messages.tenant_id`` while a migration runs.
@@ -76,6 +79,106 @@ def depends_on() -> tuple[str, ...] | None:
             raw = None
     revisions = tuple(part for part in (raw or "").replace(",", " ").split() if part)
     return revisions or None
+
+
+def check_tenant_foreign_key_target(connection: Any, target: str) -> None:
+    """Fail early, and clearly, when the tenant foreign key would reference nothing.
+
+    PostgreSQL refuses ``CREATE TABLE outbox_messages (... REFERENCES tenants (id))`` when
+    ``tenants`` or its ``id`` column does not exist, with a long ``ProgrammingError``;
+    the first revision calls this first (online mode only) so the message says what to do.
+
+    Args:
+        connection: The migration's connection (``op.get_bind()``).
+        target: ``table.column`` or ``schema.table.column``.
+
+    Raises:
+        ConfigurationError: Naming ``SQLA_OUTBOX_TENANT_FOREIGN_KEY``: the table or the
+            column is missing.
+    """
+    import sqlalchemy as sa
+
+    from sqla_outbox import errors
+
+    table_path, _, column = target.rpartition(".")
+    schema, _, table = table_path.rpartition(".")
+    inspector = sa.inspect(connection)
+    database = connection.engine.url.render_as_string(hide_password=True)
+    fixes = (
+        "create that table first (run your application's migrations before ours; see "
+        "sqla_outbox_depends_on in docs/alembic.md), point SQLA_OUTBOX_TENANT_FOREIGN_KEY at "
+        "your tenants table (e.g. accounts.id), or set SQLA_OUTBOX_TENANT_FOREIGN_KEY=none "
+        "for no foreign key"
+    )
+    if not inspector.has_table(table, schema=schema or None):
+        raise errors.ConfigurationError(
+            f"outbox_messages.tenant_id references {target}, but {database} has no table "
+            f"{table_path!r}: {fixes}",
+            option="SQLA_OUTBOX_TENANT_FOREIGN_KEY",
+        )
+    columns = {c["name"] for c in inspector.get_columns(table, schema=schema or None)}
+    if column not in columns:
+        raise errors.ConfigurationError(
+            f"outbox_messages.tenant_id references {target}, but table {table_path!r} in "
+            f"{database} has no column {column!r}: {fixes}",
+            option="SQLA_OUTBOX_TENANT_FOREIGN_KEY",
+        )
+
+
+def missing_tables(connection: Any) -> list[str]:
+    """Which of :data:`OUTBOX_TABLES` the connection's database lacks (on its search path).
+
+    Args:
+        connection: A SQLAlchemy ``Connection``; one query, no transaction left open by
+            the caller's choice (the caller commits or rolls back).
+
+    Returns:
+        Table names in :data:`OUTBOX_TABLES` order; empty when every table exists.
+    """
+    import sqlalchemy as sa
+
+    rows = connection.execute(
+        sa.text(
+            "SELECT name FROM unnest(CAST(:names AS text[])) WITH ORDINALITY AS t(name, n) "
+            "WHERE to_regclass(name) IS NULL ORDER BY n"
+        ),
+        {"names": list(OUTBOX_TABLES)},
+    )
+    return [str(name) for name in rows.scalars()]
+
+
+def current_revisions(target: Any) -> tuple[str, ...]:
+    """Revisions recorded in ``sqla_outbox_alembic_version`` (standalone version table).
+
+    Args:
+        target: A database URL (``postgresql://`` gets the psycopg 3 driver) or an ``Engine``.
+
+    Returns:
+        Revision ids, sorted; empty when the database was never migrated standalone.
+    """
+    import sqlalchemy as sa
+    from alembic.runtime.migration import MigrationContext
+
+    from sqla_outbox.config import sqlalchemy_url
+
+    engine = target if isinstance(target, sa.Engine) else None
+    owned = engine is None
+    if engine is None:
+        engine = sa.create_engine(sqlalchemy_url(str(target)), poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as connection:
+            context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+            return tuple(sorted(context.get_current_heads()))
+    finally:
+        if owned:
+            engine.dispose()
+
+
+def head_revisions() -> tuple[str, ...]:
+    """The head revisions of the bundled migrations, sorted (``("sqlaob_0001",)`` today)."""
+    from alembic.script import ScriptDirectory
+
+    return tuple(sorted(ScriptDirectory.from_config(alembic_config()).get_heads()))
 
 
 def target_metadata(*application_metadata: Any) -> list[Any]:

@@ -54,8 +54,8 @@ def _tenant_foreign_key_bound(connection: Connection) -> Iterator[None]:
         table = Table(table_name, MetaData(), schema=schema or None, autoload_with=connection)
     if ours:  # leave the connection as Alembic expects it: no transaction begun
         connection.rollback()
-    if table is None:
-        yield
+    if table is None or column_name not in table.c:
+        yield  # nothing to bind; the first revision reports the missing target clearly
         return
     models.set_tenant_foreign_key(table.c[column_name])
     try:

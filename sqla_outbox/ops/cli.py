@@ -37,11 +37,13 @@ from sqla_outbox.cli import (
     handle_errors,
     load_settings,
     main,
+    missing_tables_message,
     print_json,
     setting,
     setup_logging,
+    styled,
 )
-from sqla_outbox.config import OutboxSettings
+from sqla_outbox.config import OutboxSettings, redact_url
 from sqla_outbox.ops.durations import format_age, parse_duration
 from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
 
@@ -118,14 +120,32 @@ def _text(value: Any) -> str:
 
 
 def _engine(settings: OutboxSettings) -> Any:
+    """An engine on the outbox database, after checking that the outbox tables exist.
+
+    Raises:
+        ConfigurationError: Some outbox table is missing (the database was never migrated).
+        sqlalchemy.exc.OperationalError: The database cannot be reached.
+    """
     import sqlalchemy as sa
 
-    return sa.create_engine(
+    from sqla_outbox import migrations
+
+    engine = sa.create_engine(
         settings.sqlalchemy_url,
         pool_size=1,
         max_overflow=1,
         connect_args={"connect_timeout": 10, "application_name": "sqla_outbox-ops"},
     )
+    try:
+        with engine.connect() as connection:
+            missing = migrations.missing_tables(connection)
+    except BaseException:
+        engine.dispose()
+        raise
+    if missing:
+        engine.dispose()
+        raise errors.ConfigurationError(missing_tables_message(redact_url(settings.database_url), missing))
+    return engine
 
 
 def _sqs(settings: OutboxSettings) -> Any:
@@ -232,7 +252,9 @@ def _render_status(report: Any) -> None:
     for name, count in report.runs_by_status.items():
         runs.add_row(name, str(count))
     stale = f"running, lease expired > {format_age(report.stale_after_seconds)}"
-    runs.add_row(f"[red]{stale}[/]" if report.stale_running_count else stale, str(report.stale_running_count))
+    runs.add_row(
+        styled(stale, "red") if report.stale_running_count else stale, str(report.stale_running_count)
+    )
     console.print(runs)
     if report.stale_running:
         table = _table(
@@ -253,11 +275,11 @@ def _render_status(report: Any) -> None:
         for q in report.queues:
             kind = "DLQ" if q.dead_letter else "source"
             if q.error:
-                table.add_row(q.queue, q.name, kind, f"[red]{q.error}[/]", "", "")
+                table.add_row(q.queue, q.name, kind, styled(q.error, "red"), "", "")
                 continue
-            visible = str(q.visible)
+            visible: Any = str(q.visible)
             if q.dead_letter and q.visible:
-                visible = f"[red]{visible}[/]"
+                visible = styled(visible, "red")
             table.add_row(q.queue, q.name, kind, visible, str(q.not_visible), str(q.delayed))
         console.print(table)
 
@@ -510,7 +532,7 @@ def dlq_list_command(
         console = _console()
         console.print(table)
         for name in listing.missing_queues:
-            console.print(f"[yellow]missing DLQ {name} (run `sqla-outbox provision`)[/]")
+            console.print(styled(f"missing DLQ {name} (run `sqla-outbox provision`)", "yellow"))
 
 
 @dlq_group.command("requeue")
@@ -586,7 +608,7 @@ def _render_requeue(report: Any) -> None:
         ("run_id", "task", "queue", "tenant", "action", "outbox", "DLQ copies", "reason"),
     )
     for item in report.items:
-        action = item.action if item.selected else f"[yellow]{item.action}[/]"
+        action = item.action if item.selected else styled(item.action, "yellow")
         copies = f"{item.dlq_deleted}/{len(item.dlq_message_ids)} deleted" if item.dlq_message_ids else "-"
         why = f"{item.reason}: {item.detail}" if item.reason else "-"
         table.add_row(
@@ -600,12 +622,12 @@ def _render_requeue(report: Any) -> None:
             why,
         )
     console.print(table)
-    wake = (
-        "" if report.dry_run else (" (relay woken)" if report.woke else " (the relay's sweep will send them)")
-    )
+    wake = ""
+    if report.requeued and not report.dry_run:  # the note is about the runs just requeued
+        wake = " (relay woken)" if report.woke else " (the relay's sweep will send them)"
     console.print(f"{verb} {report.requeued}, skipped {report.skipped}{wake}")
     for name in report.missing_queues:
-        console.print(f"[yellow]missing DLQ {name} (run `sqla-outbox provision`)[/]")
+        console.print(styled(f"missing DLQ {name} (run `sqla-outbox provision`)", "yellow"))
 
 
 # --- purge --------------------------------------------------------------------------------

@@ -61,12 +61,16 @@ class PassResult:
     Attributes:
         claimed: Rows claimed. sent: Rows SQS accepted. failed: Rows backed off.
         full: Some table returned a full batch (more may be waiting).
+        leader: This relay held the leadership lock for the pass. False only from
+            :meth:`Relay.run_once` when another relay is active: nothing was done (that
+            relay sends the rows).
     """
 
     claimed: int = 0
     sent: int = 0
     failed: int = 0
     full: bool = False
+    leader: bool = True
 
 
 @dataclasses.dataclass
@@ -226,11 +230,13 @@ class Relay:
     def run_once(self) -> PassResult:
         """One pass if this relay can take the lock (for ``--once`` and scripts).
 
-        Returns an empty result when another relay holds the lock.
+        Returns:
+            The pass's counts; ``PassResult(leader=False)`` (all counts 0) when another
+            relay holds the lock and nothing was done.
         """
         with self.engine.connect() as connection:
             if not self._try_lock(connection):
-                return PassResult()
+                return PassResult(leader=False)
             try:
                 return self.pass_once(connection)
             finally:

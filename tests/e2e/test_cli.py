@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.error
 import urllib.request
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_outbox import Dispatch
-from sqla_outbox.config import OutboxSettings
+from sqla_outbox.config import OutboxSettings, redact_url, sqlalchemy_url
+from tests import support
 from tests.support import free_port, service_env, start_worker, status_of, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -149,3 +154,167 @@ def test_config_shows_settings_with_secrets_masked() -> None:
     assert "SQLA_OUTBOX_WORKER_CONCURRENCY" in table.stdout
     reference = cli("config", "--reference")
     assert reference.stdout == (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+
+
+# --- expected errors: one line, the documented exit code, never a traceback ----------------
+
+
+def bare_env(**variables: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_OUTBOX_")}
+    env.pop("DATABASE_URL", None)
+    env.update(variables)
+    return env
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int, *texts: str) -> None:
+    assert result.returncode == code, result.stdout + result.stderr
+    assert result.stderr.startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    for text in texts:
+        assert text in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("variables", "texts"),
+    [
+        (
+            {"SQLA_OUTBOX_DATABASE_URL": "notaurl"},
+            ("error: SQLA_OUTBOX_DATABASE_URL: 'notaurl' is not a database URL",),
+        ),
+        (
+            {"DATABASE_URL": "mysql://app:s3cret@db/app"},
+            ("error: SQLA_OUTBOX_DATABASE_URL: ", "only PostgreSQL through psycopg 3", "app:***@db"),
+        ),
+        (
+            {"SQLA_OUTBOX_SQS_ENDPOINT_URL": "notaurl"},
+            ("error: SQLA_OUTBOX_SQS_ENDPOINT_URL: 'notaurl' is not an http:// or https:// URL",),
+        ),
+        (
+            {"SQLA_OUTBOX_WORKER_CONCURRENCY": "0x10"},
+            ("error: SQLA_OUTBOX_WORKER_CONCURRENCY: expected a whole number in base 10",),
+        ),
+    ],
+)
+def test_bad_settings_are_configuration_errors(variables: dict[str, str], texts: tuple[str, ...]) -> None:
+    for command in (("status",), ("runs", "list"), ("relay", "--once")):
+        result = cli(*command, env=bare_env(**variables))
+        assert_one_line_error(result, 2, *texts)
+        assert "s3cret" not in result.stderr
+
+
+@pytest.fixture
+def empty_database(pg_url: str) -> Iterator[str]:
+    """SQLAlchemy URL of a new database without any table."""
+    name = f"empty_{uuid.uuid4().hex[:12]}"
+    support.create_database(pg_url, name)
+    yield sqlalchemy_url(support.database_url(pg_url, name))
+    support.drop_database(pg_url, name)
+
+
+def tables(url: str) -> set[str]:
+    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as conn:
+        rows = conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'").fetchall()
+    return {row[0] for row in rows}
+
+
+def test_commands_on_an_unmigrated_database_say_to_migrate(
+    empty_database: str, settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]
+) -> None:
+    env = service_env(settings.replace(database_url=empty_database), sqs_endpoint)
+    expected = (
+        f"error: the outbox tables are missing in {redact_url(empty_database)}: run `sqla-outbox migrate`"
+    )
+    for command in (
+        ("status",),
+        ("status", "--no-sqs", "--json"),
+        ("runs", "list"),
+        ("runs", "show", str(uuid.uuid4())),
+        ("dlq", "list"),
+        ("dlq", "requeue", "--all"),
+        ("purge", "--dry-run"),
+        ("relay", "--once", "--json"),
+    ):
+        result = cli(*command, env=env)
+        assert_one_line_error(result, 2, expected)
+        assert result.stdout == ""
+    assert tables(empty_database) == set()
+
+
+def test_migrate_explains_a_missing_tenant_table_then_reports_what_it_did(empty_database: str) -> None:
+    env = bare_env(SQLA_OUTBOX_DATABASE_URL=empty_database)
+    shown = redact_url(empty_database)
+
+    refused = cli("migrate", env=env)
+    assert_one_line_error(
+        refused,
+        2,
+        "error: SQLA_OUTBOX_TENANT_FOREIGN_KEY: outbox_messages.tenant_id references tenants.id",
+        "has no table 'tenants'",
+        "create that table first",
+        "SQLA_OUTBOX_TENANT_FOREIGN_KEY=none",
+    )
+    assert tables(empty_database) == set()  # the whole upgrade rolled back
+    with_stack = cli("migrate", "--traceback", env=env)
+    assert with_stack.returncode == 1 and "Traceback (most recent call last)" in with_stack.stderr
+
+    with psycopg.connect(empty_database.replace("postgresql+psycopg://", "postgresql://")) as conn:
+        conn.execute("CREATE TABLE tenants (id bigint PRIMARY KEY, name text)")
+    wrong_column = cli("migrate", env={**env, "SQLA_OUTBOX_TENANT_FOREIGN_KEY": "tenants.uuid"})
+    assert_one_line_error(wrong_column, 2, "table 'tenants'", "has no column 'uuid'")
+
+    migrated = cli("migrate", env=env)
+    assert migrated.returncode == 0, migrated.stderr
+    assert migrated.stdout == f"migrated {shown} from base to sqlaob_0001 (head)\n"
+    assert {"outbox_messages", "task_runs", "sqla_outbox_alembic_version"} <= tables(empty_database)
+    again = cli("migrate", env=env)
+    assert again.stdout == f"{shown} is already at sqlaob_0001 (head); nothing to do\n"
+    down = cli("migrate", "--downgrade", "--revision", "base", env=env)
+    assert down.stdout == f"downgraded {shown} from sqlaob_0001 (head) to base\n"
+    assert tables(empty_database) == {"tenants", "sqla_outbox_alembic_version"}
+
+
+def test_migrate_without_a_tenant_foreign_key_needs_no_tenants_table(empty_database: str) -> None:
+    env = bare_env(SQLA_OUTBOX_DATABASE_URL=empty_database, SQLA_OUTBOX_TENANT_FOREIGN_KEY="none")
+    migrated = cli("migrate", env=env)
+    assert migrated.returncode == 0, migrated.stderr
+    assert migrated.stdout.startswith("migrated ") and "to sqlaob_0001 (head)" in migrated.stdout
+
+
+def test_relay_once_reports_that_another_relay_is_active(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    queues: dict[str, str],
+) -> None:
+    env = service_env(settings, sqs_endpoint)
+    with app() as session, session.begin():
+        item = Dispatch("audit", {})
+        session.add(item)
+    with engine.connect() as leader:  # holds the lock the way an active relay does
+        assert leader.execute(
+            sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": settings.relay_lock_id}
+        ).scalar()
+        leader.commit()
+        skipped = cli("relay", "--once", "--json", env=env)
+        assert skipped.returncode == 0, skipped.stderr
+        assert json.loads(skipped.stdout) == {
+            "claimed": 0,
+            "sent": 0,
+            "failed": 0,
+            "full": False,
+            "leader": False,
+        }
+        human = cli("relay", "--once", env=env)
+        assert (human.returncode, human.stdout) == (
+            0,
+            "another relay is active; nothing done (it sends the pending rows)\n",
+        )
+        assert status_of(engine, item.run_id) == "queued"
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT sent_at FROM platform_outbox_messages")).scalar() is None
+        leader.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": settings.relay_lock_id})
+        leader.commit()
+    done = cli("relay", "--once", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"claimed": 1, "sent": 1, "failed": 0, "full": False, "leader": True}

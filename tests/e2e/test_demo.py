@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import uuid
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -47,3 +48,29 @@ def test_demo_runs_the_shop_end_to_end(pg_url: str, redis_url: str) -> None:
     )
     assert summary["latency_ms"]["count"] > 0 and summary["latency_ms"]["p99"] is not None
     assert summary["delayed_lateness_ms"]["count"] == 14
+
+
+def test_demo_header_names_the_database_used_and_reads_well_in_a_narrow_terminal(
+    pg_url: str, redis_url: str
+) -> None:
+    name = f"demo_{uuid.uuid4().hex[:6]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SQLA_OUTBOX_", "AWS_"))}
+    env.update({"DATABASE_URL": pg_url, "REDIS_URL": redis_url, "COLUMNS": "72"})
+    result = subprocess.run(
+        [sys.executable, "-m", "sqla_outbox", "demo", "--orders", "2", "--database-name", name],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [line.rstrip() for line in result.stderr.splitlines()]
+    assert all(len(line) <= 72 for line in lines), lines
+    [database] = [line for line in lines if line.startswith("PostgreSQL:")]
+    assert database.endswith(f"/{name}"), database  # the demo's database, not the server's
+    password = urlsplit(pg_url).password
+    assert password is None or password not in result.stderr + result.stdout
+    [sqs] = [i for i, line in enumerate(lines) if line.startswith("SQS:")]
+    assert "in-process moto server at http://127.0.0.1:" in lines[sqs]
+    assert lines[sqs + 1].strip() == "SQLA_OUTBOX_SQS_ENDPOINT_URL is not set"
+    assert "OK: all 11 committed runs reached their expected status" in result.stdout

@@ -360,9 +360,17 @@ def test_dlq_requeue_guardrails_dry_run_and_json_shape(
     human_refusal = cli(env, "dlq", "requeue", "--run-id", str(keyed))
     assert human_refusal.returncode == 1 and "idempotency-conflict" in human_refusal.stdout
     assert "requeued 0, skipped 1" in human_refusal.stdout
+    human_done = cli(env, "dlq", "requeue", "--run-id", str(done))
+    assert human_done.returncode == 1 and "not-failed" in human_done.stdout
+    # nothing was requeued: no word about the relay sending "them"
+    assert human_done.stdout.rstrip().endswith("requeued 0, skipped 1")
 
     human_dry = cli(env, "dlq", "requeue", "--task", "audit", "--dry-run")
     assert human_dry.returncode == 0 and "would requeue 1, skipped 1" in human_dry.stdout
+
+    human = cli(env, "dlq", "requeue", "--run-id", str(fixable))
+    assert human.returncode == 0, human.stderr
+    assert human.stdout.rstrip().endswith("requeued 1, skipped 0 (relay woken)")
 
 
 def test_requeued_run_goes_through_relay_and_worker_again_and_succeeds(
@@ -530,3 +538,64 @@ def test_the_worker_always_has_maintenance_purge(
     # the purge run's own row was sent seconds ago: kept, like every recent or pending row
     assert left == {ids["sent_new"], ids["pending_old"], run_id}
     assert {r.run_id for r in support.runs(engine)} == {run_id}
+
+
+# --- user text is printed as typed ----------------------------------------------------------
+
+KEY = "order[/7]"
+ERROR = "card declined [/bold] in [asyncio] step [bold]2 :warning:"
+OWNER = "web[/7]:42"
+
+
+def test_brackets_in_user_and_database_text_are_printed_verbatim(
+    app: sessionmaker[Session], engine: sa.Engine, env: dict[str, str], sqs: Any, queues: dict[str, str]
+) -> None:
+    """Idempotency keys, error messages and worker names are data, not rich markup."""
+    run_id = dispatch(app, "charge_card", {}, tenant_id=2, idempotency_key=KEY)
+    execute(
+        engine,
+        "UPDATE task_runs SET status = 'running', lease_owner = :owner, "
+        "lease_expires_at = clock_timestamp() - interval '2 hours', "
+        "last_error_type = 'Declined[/7]', last_error = :error WHERE run_id = :r",
+        r=run_id,
+        owner=OWNER,
+        error=ERROR,
+    )
+    execute(
+        engine,
+        "INSERT INTO task_run_trail (run_id, status, attempt, worker_id, error_type, error_message, "
+        "detail) VALUES (:r, 'retrying', 1, :owner, 'Declined[/7]', :error, "
+        """CAST('{"note": "[red]not red"}' AS jsonb))""",
+        r=run_id,
+        owner=OWNER,
+        error=ERROR,
+    )
+    attributes = {"run_id": str(run_id), "task": "charge_card", "reason": "permanent-error"}
+    attributes["error_type"] = "[asyncio]Declined[/7]"
+    sqs.send_message(
+        QueueUrl=queues["critical-dlq"],
+        MessageBody="{}",
+        MessageAttributes={k: {"DataType": "String", "StringValue": v} for k, v in attributes.items()},
+    )
+
+    shown = cli(env, "runs", "show", str(run_id))
+    assert shown.returncode == 0, shown.stderr
+    for text in (KEY, f"Declined[/7]: {ERROR}", f"{OWNER} until", "note=[red]not red"):
+        assert text in shown.stdout, text
+    assert shown.stdout.count(ERROR) == 2  # the run's last error and the trail row
+
+    listed = cli(env, "runs", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert "Declined[/7]" in listed.stdout
+
+    status = cli(env, "status", "--no-sqs")
+    assert status.returncode == 0, status.stderr
+    assert OWNER in status.stdout
+
+    letters = cli(env, "dlq", "list")
+    assert letters.returncode == 0, letters.stderr
+    assert "[asyncio]Declined[/7]" in letters.stdout
+
+    requeue = cli(env, "dlq", "requeue", "--all", "--dry-run")
+    assert requeue.returncode == 0, requeue.stderr
+    assert "not-failed" in requeue.stdout and "MarkupError" not in requeue.stderr

@@ -87,3 +87,76 @@ def test_configuration_reference_in_docs_is_current() -> None:
         '`python -c "from sqla_outbox.config import reference_markdown; '
         "open('docs/configuration.md','w').write(reference_markdown())\"`"
     )
+
+
+@pytest.mark.parametrize(("raw", "value"), [("16", 16), ("010", 10), (" +8 ", 8)])
+def test_integers_are_read_in_base_10(raw: str, value: int) -> None:
+    settings = OutboxSettings.from_env({"SQLA_OUTBOX_WORKER_CONCURRENCY": raw})
+    assert settings.worker_concurrency == value
+
+
+@pytest.mark.parametrize("raw", ["0x10", "8.0", "1_000", "eight", "1e2"])
+def test_other_integer_spellings_are_refused_naming_the_variable(raw: str) -> None:
+    with pytest.raises(errors.ConfigurationError) as caught:
+        OutboxSettings.from_env({"SQLA_OUTBOX_WORKER_CONCURRENCY": raw})
+    message = str(caught.value)
+    assert message.startswith("SQLA_OUTBOX_WORKER_CONCURRENCY: expected a whole number in base 10")
+    assert repr(raw) in message and "int()" not in message
+
+
+@pytest.mark.parametrize(("raw", "value"), [("2", 2.0), ("2.5", 2.5), (".5", 0.5), ("1e1", 10.0)])
+def test_floats_accept_decimal_numbers(raw: str, value: float) -> None:
+    settings = OutboxSettings.from_env({"SQLA_OUTBOX_RELAY_SWEEP_INTERVAL_SECONDS": raw})
+    assert settings.relay_sweep_interval_seconds == value
+
+
+@pytest.mark.parametrize("raw", ["inf", "nan", "1_0", "0x1p3", "soon"])
+def test_floats_refuse_non_finite_and_odd_spellings(raw: str) -> None:
+    with pytest.raises(errors.ConfigurationError) as caught:
+        OutboxSettings.from_env({"SQLA_OUTBOX_RELAY_SWEEP_INTERVAL_SECONDS": raw})
+    assert str(caught.value).startswith("SQLA_OUTBOX_RELAY_SWEEP_INTERVAL_SECONDS: expected a")
+    with pytest.raises(errors.ConfigurationError, match="finite"):
+        OutboxSettings(relay_backoff_max_seconds=float("inf"))
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("notaurl", "is not a database URL"),
+        ("postgresql://app:s3cret@db:port/app", "is not a database URL"),
+        ("mysql://app:s3cret@db/app", "supports only PostgreSQL through psycopg 3"),
+        ("sqlite:///outbox.db", "supports only PostgreSQL through psycopg 3"),
+        ("postgresql+asyncpg://app:s3cret@db/app", "supports only PostgreSQL through psycopg 3"),
+    ],
+)
+def test_database_url_must_be_postgresql_through_psycopg(url: str, expected: str) -> None:
+    with pytest.raises(errors.ConfigurationError) as caught:
+        OutboxSettings.from_env({"DATABASE_URL": url})
+    message = str(caught.value)
+    assert message.startswith("SQLA_OUTBOX_DATABASE_URL: ") and expected in message
+    assert "s3cret" not in message
+
+
+@pytest.mark.parametrize(
+    "url", ["postgresql://u@h/db", "postgres://u:p@h:5433/db", "postgresql+psycopg://u@h/db?sslmode=require"]
+)
+def test_postgresql_urls_are_accepted(url: str) -> None:
+    assert OutboxSettings(database_url=url).database_url == url
+
+
+@pytest.mark.parametrize("url", ["notaurl", "127.0.0.1:4566", "ftp://h/", "http://", "http://h:port"])
+def test_sqs_endpoint_must_be_an_http_url(url: str) -> None:
+    with pytest.raises(errors.ConfigurationError) as caught:
+        OutboxSettings.from_env({"SQLA_OUTBOX_SQS_ENDPOINT_URL": url})
+    assert str(caught.value).startswith("SQLA_OUTBOX_SQS_ENDPOINT_URL: ")
+    assert "is not an http:// or https:// URL" in str(caught.value)
+    assert OutboxSettings(sqs_endpoint_url="https://sqs.eu-west-1.amazonaws.com").sqs_endpoint_url
+
+
+def test_signing_key_length_is_documented_and_enforced() -> None:
+    import dataclasses
+
+    field = {f.name: f for f in dataclasses.fields(OutboxSettings)}["signing_keys"]
+    assert "at least 16 characters" in field.metadata["doc"]
+    with pytest.raises(errors.ConfigurationError, match="at least 16 characters"):
+        OutboxSettings.from_env({"SQLA_OUTBOX_SIGNING_KEYS": "short," + "k" * 16})

@@ -53,6 +53,8 @@ def _outbox_table(name: str, *, with_tenant: bool) -> None:
         sa.CheckConstraint(f"queue IN ({QUEUES})", name=op.f(f"{name}_queue_check")),
     ]
     target = migrations.tenant_foreign_key() if with_tenant else None
+    if target and not op.get_context().as_sql:
+        migrations.check_tenant_foreign_key_target(op.get_bind(), target)
     if target:
         constraints.append(
             sa.ForeignKeyConstraint(["tenant_id"], [target], name=op.f(f"{name}_tenant_id_fkey"))
