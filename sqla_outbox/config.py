@@ -61,9 +61,10 @@ class OutboxSettings:
     # --- connections -----------------------------------------------------------------
     database_url: str = _setting(
         "postgresql+psycopg://postgres@127.0.0.1:5432/postgres",
-        "SQLAlchemy URL of the PostgreSQL database holding the outbox tables. "
-        "`postgresql://` URLs are used with the psycopg 3 driver; only PostgreSQL through "
-        "psycopg 3 (`postgresql://`, `postgres://`, `postgresql+psycopg://`) is supported.",
+        "SQLAlchemy URL of the PostgreSQL database holding the outbox tables. sqla_outbox's "
+        "own engines always use the psycopg 3 driver: `postgresql://`, `postgres://` and a "
+        "URL naming another PostgreSQL driver (`postgresql+asyncpg://`) are read as "
+        "`postgresql+psycopg://`. Other databases are refused.",
         aliases=("DATABASE_URL",),
     )
     valkey_url: str | None = _setting(
@@ -295,10 +296,13 @@ def env_names(field_name: str) -> tuple[str, ...]:
 
 
 def sqlalchemy_url(url: str) -> str:
-    """Name the psycopg 3 driver in a bare ``postgresql://``/``postgres://`` URL."""
-    for bare in ("postgresql://", "postgres://"):
-        if url.startswith(bare):
-            return "postgresql+psycopg://" + url[len(bare) :]
+    """The URL with the psycopg 3 driver: for a bare ``postgresql://``/``postgres://`` URL,
+    and for another PostgreSQL driver (``postgresql+asyncpg://``, ``+psycopg2``, ...), so an
+    application's own ``DATABASE_URL`` serves sqla_outbox's engines unchanged. Other URLs
+    are returned as they are (and refused by the settings' validation)."""
+    match = re.match(r"^(?:postgresql|postgres)(?:\+[A-Za-z0-9_]+)?://", url)
+    if match:
+        return "postgresql+psycopg://" + url[match.end() :]
     return url
 
 
@@ -381,12 +385,11 @@ def _check_database_url(url: str) -> None:
             f"{shown!r} is not a database URL; expected postgresql://user:password@host:5432/database",
         )
         return
-    backend, _, driver = parsed.drivername.partition("+")
     _check(
-        backend == "postgresql" and driver in ("", "psycopg"),
+        parsed.drivername == "postgresql+psycopg",
         "database_url",
         f"{parsed.drivername!r} is not supported ({shown}): sqla_outbox supports only PostgreSQL "
-        "through psycopg 3; use postgresql://user:password@host:5432/database",
+        "(through psycopg 3); use postgresql://user:password@host:5432/database",
     )
 
 
