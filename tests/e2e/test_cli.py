@@ -183,7 +183,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int, *
         ),
         (
             {"DATABASE_URL": "mysql://app:s3cret@db/app"},
-            ("error: SQLA_OUTBOX_DATABASE_URL: ", "only PostgreSQL through psycopg 3", "app:***@db"),
+            ("error: SQLA_OUTBOX_DATABASE_URL: ", "supports only PostgreSQL", "app:***@db"),
         ),
         (
             {"SQLA_OUTBOX_SQS_ENDPOINT_URL": "notaurl"},

@@ -105,6 +105,7 @@ def test_wakes_resume_when_valkey_comes_back(
     maker = installed(engine, settings.replace(valkey_url=url, wake_retry_seconds=0.2), catalog)
     cleanup.append(maker)
     commit_one(maker)  # nothing listens yet: fails
+    drain_wakes()  # (else, on a busy machine, the push can land after the server started)
     process = subprocess.Popen(
         [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,
