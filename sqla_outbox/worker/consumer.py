@@ -21,6 +21,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import importlib
+import json
 import logging
 import os
 import signal
@@ -265,8 +266,42 @@ class Worker:
                     f"({error_code(exc)}); run `sqla-outbox provision`",
                     option="SQLA_OUTBOX_WORKER_QUEUES",
                 ) from exc
-            attributes = self.client.get_queue_attributes(QueueUrl=url, AttributeNames=["VisibilityTimeout"])
-            self.visibility[queue] = int(attributes["Attributes"]["VisibilityTimeout"])
+            attributes = self.client.get_queue_attributes(
+                QueueUrl=url, AttributeNames=["VisibilityTimeout", "RedrivePolicy"]
+            )["Attributes"]
+            self.visibility[queue] = int(attributes["VisibilityTimeout"])
+            self._check_redrive(queue, attributes.get("RedrivePolicy"))
+
+    def _check_redrive(self, queue: str, redrive_policy: str | None) -> None:
+        """Refuse a queue whose redrive ``maxReceiveCount`` would act before the worker.
+
+        The worker decides a run's fate on its ``max_receives``-th receive; SQS moves a
+        message to the DLQ once its receive count *exceeds* ``maxReceiveCount`` (SQS
+        redrive policy), so each task's limit must stay below the queue's actual value,
+        whatever ``max_receive_count`` the settings say.
+
+        Raises:
+            ConfigurationError: Naming the queue, the task and both numbers.
+        """
+        if not redrive_policy:
+            return
+        try:
+            limit = int(json.loads(redrive_policy)["maxReceiveCount"])
+        except (ValueError, KeyError, TypeError):
+            return
+        for definition in self.registry.tasks.values():
+            if definition.queue != queue:
+                continue
+            receives = definition.retry.max_receives or self.settings.worker_max_receives
+            if receives >= limit:
+                raise errors.ConfigurationError(
+                    f"queue {self.settings.queue_url_name(queue)!r} has redrive maxReceiveCount "
+                    f"{limit}, but task {definition.name!r} decides on receive {receives}: SQS would "
+                    "dead-letter its messages before the worker records a verdict; raise the "
+                    "queue's maxReceiveCount (`sqla-outbox provision --max-receive-count N --fix`) "
+                    "or lower max_receives",
+                    option="SQLA_OUTBOX_WORKER_MAX_RECEIVES",
+                )
 
     async def _tick(self) -> None:
         while True:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,3 +77,22 @@ def test_console_script_imports_task_modules_from_the_current_directory(tmp_path
     )
     assert result.returncode == 0, result.stderr
     assert "ship_order" in json.loads((tmp_path / "tasks.json").read_text())["tasks"]
+
+
+def test_a_queue_whose_redrive_acts_before_the_worker_is_refused(
+    settings: OutboxSettings, sqs_endpoint: str, sqs: Any, queues: dict[str, str]
+) -> None:
+    """The settings say 7, but the queue was provisioned (or edited) with 4: the worker
+    reads the queue's own RedrivePolicy and refuses, since tasks decide on receive 5."""
+    url = queues["default"]
+    policy = json.loads(
+        sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["RedrivePolicy"])["Attributes"][
+            "RedrivePolicy"
+        ]
+    )
+    policy["maxReceiveCount"] = 4
+    sqs.set_queue_attributes(QueueUrl=url, Attributes={"RedrivePolicy": json.dumps(policy)})
+    result = worker("--imports", "tests.e2e.worker_tasks", env=service_env(settings, sqs_endpoint))
+    assert result.returncode == 2, result.stderr
+    assert "has redrive maxReceiveCount 4" in result.stderr
+    assert "Traceback" not in result.stderr
