@@ -129,8 +129,17 @@ def handle_errors(show_traceback: bool) -> Iterator[None]:
             sys.exit(EXIT_CONFIG)
         if not _is_connection_error(exc):
             raise
-        click.echo(f"error: cannot reach a service: {type(exc).__name__}: {exc}", err=True)
+        click.echo(f"error: cannot reach a service: {_connection_error_summary(exc)}", err=True)
         sys.exit(EXIT_CONNECT)
+
+
+def _connection_error_summary(exc: BaseException) -> str:
+    """``<type>: <first line>`` of the driver's own error (SQLAlchemy wraps it in a
+    multi-line message with the statement and a documentation link); passwords masked."""
+    cause = getattr(exc, "orig", None) or exc
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    return redact_url(f"{type(cause).__name__}: {first}"[:400])
 
 
 def _is_missing_outbox_table(exc: BaseException) -> bool:

@@ -1,8 +1,9 @@
-"""Starting a worker that could only dead-letter its traffic is refused, with the reason."""
+"""What the command line refuses at start, and how it says so: one line, the documented exit code."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from sqla_outbox.config import OutboxSettings
-from tests.support import service_env
+from tests.support import free_port, service_env
 
 pytestmark = pytest.mark.e2e
 
@@ -96,3 +97,17 @@ def test_a_queue_whose_redrive_acts_before_the_worker_is_refused(
     assert result.returncode == 2, result.stderr
     assert "has redrive maxReceiveCount 4" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_an_unreachable_database_is_one_line_with_exit_code_3(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "SQLA_OUTBOX_DATABASE_URL": f"postgresql://app:s3cret@127.0.0.1:{free_port()}/app",
+        "SQLA_OUTBOX_VALKEY_URL": "none",
+    }
+    result = subprocess.run(
+        [str(SCRIPT), "status"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60
+    )
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.startswith("error: cannot reach a service: OperationalError: ")
+    assert result.stderr.count("\n") == 1 and "s3cret" not in result.stderr
