@@ -211,8 +211,11 @@ class Relay:
                             self._stop.wait(self.settings.relay_standby_poll_seconds)
                 except sa.exc.DBAPIError as exc:
                     self._set_leader(False)
+                    undefined_table = getattr(exc.orig, "sqlstate", None) == "42P01"  # undefined_table
                     logger.warning(
-                        "relay lost the database; retrying",
+                        "the outbox tables are missing (run `sqla-outbox migrate`); retrying"
+                        if undefined_table
+                        else "relay lost the database; retrying",
                         extra=log_extra(
                             action="relay.db_error", error_type=type(exc.orig).__name__, retry_in_s=backoff
                         ),

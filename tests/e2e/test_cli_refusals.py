@@ -6,13 +6,15 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sqla_outbox.config import OutboxSettings
-from tests.support import free_port, service_env
+from tests import support
+from tests.support import free_port, service_env, start_relay
 
 pytestmark = pytest.mark.e2e
 
@@ -111,3 +113,19 @@ def test_an_unreachable_database_is_one_line_with_exit_code_3(tmp_path: Path) ->
     assert result.returncode == 3, result.stderr
     assert result.stderr.startswith("error: cannot reach a service: OperationalError: ")
     assert result.stderr.count("\n") == 1 and "s3cret" not in result.stderr
+
+
+def test_a_relay_on_an_unmigrated_database_says_to_migrate_and_keeps_trying(
+    pg_url: str, settings: OutboxSettings, sqs_endpoint: str
+) -> None:
+    """Unlike the one-shot commands, a relay started before the migrations waits for them."""
+    name = f"empty_{uuid.uuid4().hex[:12]}"
+    support.create_database(pg_url, name)
+    relay = start_relay(settings.replace(database_url=support.database_url(pg_url, name)), sqs_endpoint)
+    try:
+        entry = relay.wait_for_action("relay.db_error")
+        assert entry["message"] == "the outbox tables are missing (run `sqla-outbox migrate`); retrying"
+        assert relay.process.poll() is None
+    finally:
+        relay.terminate()
+        support.drop_database(pg_url, name)
