@@ -262,8 +262,12 @@ def relay_command(
             from sqla_outbox import health
 
             report = health.check_services(settings, need_queues=True)
+            schedules = health.check_schedules(settings)
+            report.results.append(schedules)
             health.print_report(report, as_json=as_json)
-            sys.exit(EXIT_OK if report.ok else EXIT_CONNECT)
+            if not report.ok:  # 3: a service did not answer; 2: only the catalog is wrong
+                sys.exit(EXIT_CONFIG if report.ok_without(schedules) else EXIT_CONNECT)
+            sys.exit(EXIT_OK)
         from sqla_outbox.relay import Relay
 
         relay = Relay(settings)

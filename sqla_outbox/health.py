@@ -125,6 +125,31 @@ def check_handlers(settings: OutboxSettings) -> CheckResult:
     return CheckResult("handlers", True, "; ".join([detail, *warnings]))
 
 
+def check_schedules(settings: OutboxSettings) -> CheckResult:
+    """What the relay's scheduler will run: the catalog's scheduled tasks, or only the
+    built-in ones when there is no catalog file; fails on an invalid catalog file."""
+    if not settings.relay_scheduler:
+        return CheckResult("schedules", True, "scheduler off (SQLA_OUTBOX_RELAY_SCHEDULER)")
+    from pathlib import Path
+
+    from sqla_outbox.relay import scheduling_catalog
+
+    try:
+        catalog = scheduling_catalog(settings, warn=False)
+    except errors.CatalogError as exc:
+        return CheckResult("schedules", False, str(exc))
+    names = sorted(t.name for t in catalog.tasks.values() if t.schedule)
+    listed = ", ".join(names) or "none"
+    if Path(settings.catalog_path).exists():
+        return CheckResult("schedules", True, f"{settings.catalog_path}: {listed}")
+    return CheckResult(
+        "schedules",
+        True,
+        f"no catalog at {settings.catalog_path}: built-in schedules only ({listed}); "
+        "application schedules need `sqla-outbox catalog write`",
+    )
+
+
 def _check_database(settings: OutboxSettings) -> CheckResult:
     import sqlalchemy as sa
 

@@ -46,10 +46,11 @@ from typing import Any
 from sqlalchemy import DateTime, Integer, bindparam, text
 from sqlalchemy.engine import Connection, Engine
 
+from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
 from sqla_outbox.worker.context import TaskContext
-from sqla_outbox.worker.registry import task
+from sqla_outbox.worker.registry import registry, task
 
 logger = logging.getLogger(__name__)
 
@@ -310,3 +311,9 @@ def purge_task(payload: Any, ctx: TaskContext) -> None:
     bind = ctx.session.get_bind()
     engine: Engine = bind.engine if isinstance(bind, Connection) else bind
     purge(engine, settings, should_stop=lambda: ctx.cancelled)
+
+
+def builtin_catalog() -> Catalog:
+    """A catalog of sqla_outbox's own tasks (``maintenance.purge`` and its daily schedule),
+    for a relay that has no application catalog."""
+    return Catalog.build([registry.get(name).spec() for name in BUILTIN_TASKS], {})

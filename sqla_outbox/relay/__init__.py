@@ -87,12 +87,32 @@ def _make_scheduler(settings: OutboxSettings, catalog: Catalog | None) -> Schedu
     if not settings.relay_scheduler:
         return None
     if catalog is None:
-        path = Path(settings.catalog_path)
-        if not path.exists():
-            return None
-        catalog = Catalog.load(path)
+        catalog = scheduling_catalog(settings)
     scheduler = Scheduler(catalog, max_message_bytes=settings.max_message_bytes)
     return scheduler if scheduler.tasks else None
+
+
+def scheduling_catalog(settings: OutboxSettings, *, warn: bool = True) -> Catalog:
+    """The catalog whose schedules the relay runs: the file at ``catalog_path``, or, when
+    there is none, sqla_outbox's built-in tasks (``maintenance.purge``) with a warning, so
+    a relay deployed without ``tasks.json`` still purges but says what it is missing.
+
+    Raises:
+        CatalogError: The file exists but is not a valid catalog.
+    """
+    path = Path(settings.catalog_path)
+    if path.exists():
+        return Catalog.load(path)
+    from sqla_outbox.maintenance import builtin_catalog
+
+    if warn:
+        logger.warning(
+            "no task catalog at %s: only the built-in schedules run (maintenance.purge); "
+            "write it with `sqla-outbox catalog write` and set SQLA_OUTBOX_CATALOG_PATH",
+            path,
+            extra=log_extra(action="relay.no_catalog", path=str(path)),
+        )
+    return builtin_catalog()
 
 
 def make_engine(settings: OutboxSettings, *, pool_size: int = 2) -> Engine:

@@ -94,7 +94,9 @@ def test_check_reports_each_service(
 ) -> None:
     ok = cli("relay", "--check", "--json", env=service_env(settings, sqs_endpoint))
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert [c["service"] for c in json.loads(ok.stdout)["checks"]] == ["postgresql", "valkey", "sqs"]
+    checks = json.loads(ok.stdout)["checks"]
+    assert [c["service"] for c in checks] == ["postgresql", "valkey", "sqs", "schedules"]
+    assert checks[-1]["detail"].startswith(settings.catalog_path)
     broken = service_env(settings, sqs_endpoint, SQLA_OUTBOX_QUEUE_PREFIX="nothing-here-")
     bad = cli("relay", "--check", "--json", env=broken)
     assert bad.returncode == 3

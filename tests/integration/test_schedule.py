@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import time
 
 import pytest
@@ -105,3 +106,19 @@ def test_the_active_relay_runs_the_schedule(
     assert 2 <= len(rows) <= 4
     assert all(r.sent_at is not None for r in rows[:-1])  # sent by the same relay
     assert len({r.run_id for r in rows}) == len(rows)
+
+
+def test_without_a_catalog_file_the_relay_still_schedules_the_purge_and_says_so(
+    engine: sa.Engine, settings: OutboxSettings, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    missing = tmp_path / "not-written" / "tasks.json"
+    with caplog.at_level(logging.WARNING, logger="sqla_outbox"):
+        relay = Relay(settings.replace(catalog_path=str(missing)), engine=engine)
+    assert relay.scheduler is not None
+    assert [t.name for t in relay.scheduler.tasks] == ["maintenance.purge"]
+    actions = [(r, getattr(r, "sqla_outbox", {}).get("action")) for r in caplog.records]
+    [warning] = [r for r, action in actions if action == "relay.no_catalog"]
+    assert str(missing) in warning.getMessage() and "catalog write" in warning.getMessage()
+
+    relay = Relay(settings, engine=engine)  # the test catalog file: its own schedules only
+    assert relay.scheduler is None
