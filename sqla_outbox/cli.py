@@ -367,6 +367,14 @@ def migrate_command(
             )
             return
         before = migrations.current_revisions(settings.sqlalchemy_url)
+        if not before and not downgrade and migrations.tables_present(settings.sqlalchemy_url):
+            raise errors.ConfigurationError(
+                f"the outbox tables already exist in {redact_url(settings.database_url)}, but not "
+                f"through `sqla-outbox migrate` (its {migrations.VERSION_TABLE} table records "
+                "nothing): your application's Alembic environment manages them; run "
+                "`alembic upgrade heads` there (docs/alembic.md)",
+                option="sqla-outbox migrate",
+            )
         if downgrade:
             migrations.downgrade(settings.sqlalchemy_url, revision)
         else:

@@ -147,6 +147,18 @@ def missing_tables(connection: Any) -> list[str]:
     return [str(name) for name in rows.scalars()]
 
 
+def tables_present(url: str) -> bool:
+    """Whether any of :data:`OUTBOX_TABLES` exists in the database at ``url``."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as connection:
+            return len(missing_tables(connection)) < len(OUTBOX_TABLES)
+    finally:
+        engine.dispose()
+
+
 def current_revisions(target: Any) -> tuple[str, ...]:
     """Revisions recorded in ``sqla_outbox_alembic_version`` (standalone version table).
 

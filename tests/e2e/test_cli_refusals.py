@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from sqla_outbox.config import OutboxSettings
@@ -128,4 +129,24 @@ def test_a_relay_on_an_unmigrated_database_says_to_migrate_and_keeps_trying(
         assert relay.process.poll() is None
     finally:
         relay.terminate()
+        support.drop_database(pg_url, name)
+
+
+def test_migrate_leaves_tables_that_an_application_alembic_manages(pg_url: str) -> None:
+    """The tables exist, but their version is in the application's own ``alembic_version``
+    (as after the documented recipe): ``migrate`` says so instead of failing to create them."""
+    name = f"appmanaged_{uuid.uuid4().hex[:12]}"
+    support.create_database(pg_url, name)
+    url = support.database_url(pg_url, name)
+    env = {**os.environ, "SQLA_OUTBOX_DATABASE_URL": url, "SQLA_OUTBOX_TENANT_FOREIGN_KEY": "none"}
+    try:
+        first = subprocess.run([str(SCRIPT), "migrate"], capture_output=True, text=True, env=env, timeout=120)
+        assert first.returncode == 0, first.stderr
+        with psycopg.connect(url) as conn:  # what an application's environment looks like
+            conn.execute("ALTER TABLE sqla_outbox_alembic_version RENAME TO alembic_version")
+        again = subprocess.run([str(SCRIPT), "migrate"], capture_output=True, text=True, env=env, timeout=120)
+        assert again.returncode == 2, again.stderr
+        assert "already exist" in again.stderr and "alembic upgrade heads" in again.stderr
+        assert again.stderr.count("\n") == 1
+    finally:
         support.drop_database(pg_url, name)
