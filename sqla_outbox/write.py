@@ -28,6 +28,7 @@ from sqlalchemy import BigInteger, DateTime, Interval, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
 
+from sqla_outbox import errors
 from sqla_outbox.dispatch import PreparedRun
 from sqla_outbox.types import UNFINISHED_STATUSES
 
@@ -124,6 +125,10 @@ WHERE idempotency_key = ANY(CAST(:keys AS text[]))
     bindparam("tasks", type_=ARRAY(Text)),
 )
 
+_FIND_BY_ID = text("SELECT run_id, task, tenant_id FROM task_runs WHERE run_id = ANY(:run_ids)").bindparams(
+    bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True)))
+)
+
 _Key = tuple[str, int | None, str]
 
 
@@ -150,6 +155,8 @@ def write_runs(connection: Connection, runs: Sequence[PreparedRun]) -> int:
         earlier = first_by_key.get(key) if key else None
         earlier = earlier or first_by_id.get(run.run_id)
         if earlier is not None:  # same key or run id twice in one flush
+            if key is None or _key(earlier) != key:
+                _check_same_run(run, earlier.task, earlier.tenant_id)
             twins.append((run, earlier))
             continue
         if key:
@@ -225,16 +232,39 @@ def _resolve_existing(connection: Connection, missing: list[PreparedRun]) -> lis
             },
         )
         found = {(row.task, row.tenant_id, row.idempotency_key): row.run_id for row in rows}
+    chosen = [run.run_id for run in missing if run.idempotency_key is None]
+    existing = {}
+    if chosen:
+        existing = {row.run_id: row for row in connection.execute(_FIND_BY_ID, {"run_ids": chosen})}
     retry = []
     for run in missing:
         key = _key(run)
         if key is None:  # caller-chosen run_id that already exists
+            other = existing.get(run.run_id)
+            if other is not None:
+                _check_same_run(run, other.task, other.tenant_id)
             run.resolved_run_id = run.run_id
         elif key in found:
             run.resolved_run_id = found[key]
         else:
             retry.append(run)
     return retry
+
+
+def _check_same_run(run: PreparedRun, task: str, tenant_id: int | None) -> None:
+    """A caller-chosen ``run_id`` resolves quietly only to a run of the same task and tenant.
+
+    Raises:
+        InvalidDispatch: The run_id belongs to another task's or tenant's run: resolving to
+            it would silently drop this dispatch.
+    """
+    if (task, tenant_id) != (run.task, run.tenant_id):
+        raise errors.InvalidDispatch(
+            run.task,
+            f"run_id {run.run_id} already belongs to a run of task {task!r} (tenant {tenant_id}); "
+            f"a run_id chosen by the caller must name the same task and tenant "
+            f"(this dispatch: task {run.task!r}, tenant {run.tenant_id})",
+        )
 
 
 def _params(runs: Sequence[PreparedRun]) -> dict[str, Any]:

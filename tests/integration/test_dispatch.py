@@ -270,6 +270,30 @@ def test_caller_chosen_run_id_is_quietly_deduplicated(
     assert count(engine, "platform_outbox_messages") == 1
 
 
+def test_caller_chosen_run_id_of_another_task_or_tenant_is_refused(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """Resolving to a run of another task or tenant would silently drop the dispatch."""
+    run_id = uuid.uuid4()
+    with factory() as session, session.begin():
+        session.add(Dispatch("audit", {}, tenant_id=1, run_id=run_id))
+    for other in (
+        Dispatch("send_welcome", {}, tenant_id=1, run_id=run_id),
+        Dispatch("audit", {}, tenant_id=2, run_id=run_id),
+    ):
+        with factory() as session, pytest.raises(errors.InvalidDispatch) as caught:
+            with session.begin():
+                session.add(other)
+        assert caught.value.task == other.task and f"run_id {run_id} already belongs" in str(caught.value)
+    with factory() as session, pytest.raises(errors.InvalidDispatch):  # twins in one flush
+        with session.begin():
+            twin = uuid.uuid4()
+            session.add_all(
+                [Dispatch("audit", {}, tenant_id=1, run_id=twin), Dispatch("audit", {}, run_id=twin)]
+            )
+    assert count(engine, "task_runs") == 1 and count(engine, "outbox_messages") == 1
+
+
 def test_dispatch_helper_returns_the_resolved_run(factory: sessionmaker[Session]) -> None:
     with factory() as session, session.begin():
         first = sqla_outbox.dispatch(session, "audit", {"a": 1}, tenant_id=1, idempotency_key="x")
