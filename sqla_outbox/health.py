@@ -31,6 +31,9 @@ class ProbeServer:
         ready: Called per ``/readyz`` request; True means ready.
         alive: Called per ``/livez`` request; True means alive.
         host: Interface to bind (default all).
+
+    Raises:
+        ConfigurationError: The port cannot be bound (in use, or privileged).
     """
 
     def __init__(
@@ -67,7 +70,13 @@ class ProbeServer:
             def log_message(self, format: str, *args: Any) -> None:
                 return
 
-        self._server = http.server.ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._server = http.server.ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:  # EADDRINUSE, EACCES for a privileged port, ...
+            raise errors.ConfigurationError(
+                f"cannot serve probes on {host}:{port}: {exc.strerror or exc}",
+                option="SQLA_OUTBOX_HEALTH_PORT",
+            ) from None
         self._server.daemon_threads = True
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -150,3 +151,21 @@ def test_migrate_leaves_tables_that_an_application_alembic_manages(pg_url: str) 
         assert again.stderr.count("\n") == 1
     finally:
         support.drop_database(pg_url, name)
+
+
+def test_a_health_port_in_use_is_a_configuration_error(settings: OutboxSettings, sqs_endpoint: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = service_env(settings, sqs_endpoint, SQLA_OUTBOX_HEALTH_PORT=str(port))
+        for command in (
+            ["-m", "sqla_outbox.relay"],
+            ["-m", "sqla_outbox.worker", "--imports", "tests.e2e.worker_tasks"],
+        ):
+            result = subprocess.run(
+                [sys.executable, *command], capture_output=True, text=True, env=env, timeout=60
+            )
+            assert result.returncode == 2, result.stderr
+            assert f"SQLA_OUTBOX_HEALTH_PORT: cannot serve probes on 0.0.0.0:{port}" in result.stderr
+            assert "Traceback" not in result.stderr
