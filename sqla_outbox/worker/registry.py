@@ -156,6 +156,12 @@ class Registry:
             raise errors.ConfigurationError(f"task {name!r}: unknown scope {scope!r}", option="@task(scope)")
         if timeout_seconds is not None and timeout_seconds < 0:
             raise errors.ConfigurationError(f"task {name!r}: timeout_seconds must be >= 0", option="@task")
+        if schedule is not None and not isinstance(schedule, Mapping):
+            raise errors.ConfigurationError(
+                f"task {name!r}: schedule must be a mapping such as {{'cron': '0 3 * * *'}} or "
+                f"{{'every_seconds': 3600}}, got {type(schedule).__name__}",
+                option="@task(schedule)",
+            )
 
         def decorate(handler: Callable[..., Any]) -> Callable[..., Any]:
             existing = self.tasks.get(name)
@@ -164,11 +170,19 @@ class Registry:
                 raise errors.ConfigurationError(
                     f"task {name!r} is already registered to {qualname}", option="@task"
                 )
-            parameters = [
-                p
-                for p in inspect.signature(handler).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            signature = inspect.signature(handler).parameters.values()
+            parameters = [p for p in signature if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            required = [p for p in parameters if p.default is p.empty]
+            required_keywords = [
+                p.name for p in signature if p.kind == p.KEYWORD_ONLY and p.default is p.empty
             ]
+            takes_varargs = any(p.kind == p.VAR_POSITIONAL for p in signature)
+            if len(required) > 2 or required_keywords or (not parameters and not takes_varargs):
+                raise errors.ConfigurationError(
+                    f"task {name!r}: the handler {getattr(handler, '__qualname__', handler)} must take "
+                    "(payload) or (payload, ctx)",
+                    option="@task",
+                )
             definition = TaskDefinition(
                 name=name,
                 handler=handler,

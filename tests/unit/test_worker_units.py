@@ -178,3 +178,33 @@ def test_preflight_refuses_a_worker_that_would_dead_letter_its_traffic() -> None
 def test_retry_with_a_bad_delay_says_what_is_wrong(delay: object) -> None:
     with pytest.raises(errors.ConfigurationError, match=r"Retry\.delay_seconds"):
         errors.Retry(delay)  # type: ignore[arg-type]
+
+
+def test_handler_signature_and_schedule_type_are_checked_at_import() -> None:
+    registry = Registry()
+    with pytest.raises(errors.ConfigurationError, match=r"must take \(payload\) or \(payload, ctx\)"):
+
+        @registry.task("three")
+        def three(payload: dict, ctx: object, extra: object) -> None: ...
+
+    with pytest.raises(errors.ConfigurationError, match="must take"):
+
+        @registry.task("none")
+        def none() -> None: ...
+
+    with pytest.raises(errors.ConfigurationError, match="must take"):
+
+        @registry.task("keyword")
+        def keyword(payload: dict, *, flag: bool) -> None: ...
+
+    with pytest.raises(errors.ConfigurationError, match="schedule must be a mapping"):
+        registry.task("nightly", schedule="0 3 * * *")  # type: ignore[arg-type]
+
+    @registry.task("defaults")
+    def defaults(payload: dict, ctx: object = None, retries: int = 3) -> None: ...
+
+    @registry.task("star")
+    def star(*args: object) -> None: ...
+
+    assert set(registry.tasks) == {"defaults", "star"}
+    assert registry.get("defaults").takes_context and not registry.get("star").takes_context
