@@ -409,11 +409,22 @@ def _check_endpoint_url(url: str) -> None:
     )
 
 
+VALKEY_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
+"""URL schemes accepted for ``valkey_url`` (``valkey``/``valkeys`` are read as redis/rediss)."""
+
+
 def _validate(s: OutboxSettings) -> None:
     _check(bool(s.database_url), "database_url", "must not be empty")
     _check_database_url(s.database_url)
     if s.sqs_endpoint_url is not None:
         _check_endpoint_url(s.sqs_endpoint_url)
+    if s.valkey_url is not None:
+        _check(
+            s.valkey_url.startswith(VALKEY_SCHEMES),
+            "valkey_url",
+            f"{redact_url(s.valkey_url)!r} is not a redis://, rediss://, valkey:// or unix:// URL "
+            "(or `none` to run sweep-only)",
+        )
     for field in dataclasses.fields(s):
         value = getattr(s, field.name)
         if isinstance(value, float):

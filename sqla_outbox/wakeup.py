@@ -36,7 +36,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from sqla_outbox import errors, metrics
-from sqla_outbox.config import OutboxSettings, redact_url
+from sqla_outbox.config import VALKEY_SCHEMES, OutboxSettings, redact_url
 from sqla_outbox.logging import log_extra
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def _client(url: str, timeout_seconds: float) -> redis.Redis:
     Raises:
         ConfigurationError: ``url`` is not a Valkey/Redis URL (names the setting).
     """
-    if not url.startswith(("redis://", "rediss://", "unix://", "valkey://", "valkeys://")):
+    if not url.startswith(VALKEY_SCHEMES):
         raise errors.ConfigurationError(
             f"{redact_url(url)!r} is not a redis://, rediss:// or unix:// URL",
             option="SQLA_OUTBOX_VALKEY_URL",

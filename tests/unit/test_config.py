@@ -166,3 +166,14 @@ def test_signing_key_length_is_documented_and_enforced() -> None:
     assert "at least 16 characters" in field.metadata["doc"]
     with pytest.raises(errors.ConfigurationError, match="at least 16 characters"):
         OutboxSettings.from_env({"SQLA_OUTBOX_SIGNING_KEYS": "short," + "k" * 16})
+
+
+def test_valkey_url_must_be_a_redis_url_at_every_entry_point() -> None:
+    with pytest.raises(
+        errors.ConfigurationError, match=r"^SQLA_OUTBOX_VALKEY_URL: 'notaurl' is not a redis://"
+    ):
+        OutboxSettings.from_env({"SQLA_OUTBOX_VALKEY_URL": "notaurl"})
+    assert OutboxSettings.from_env({"SQLA_OUTBOX_VALKEY_URL": "none"}).valkey_url is None
+    assert (
+        OutboxSettings.from_env({"REDIS_URL": "valkey://cache:6379/0"}).valkey_url == "valkey://cache:6379/0"
+    )
