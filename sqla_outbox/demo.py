@@ -106,8 +106,15 @@ def demo_command(
     orders: int, database_name: str, review_delay: float, timeout: float, keep: bool, as_json: bool
 ) -> None:
     """Run the example shop through relay and worker processes and summarise what happened."""
+    global REPO_ROOT, SHOP
+    if not (SHOP / "tasks.py").exists() and (Path.cwd() / "examples" / "shop" / "tasks.py").exists():
+        REPO_ROOT, SHOP = Path.cwd(), Path.cwd() / "examples" / "shop"  # a checkout, installed non-editable
     if not (SHOP / "tasks.py").exists():
-        click.echo("error: the demo needs the example shop (examples/shop) of a source checkout", err=True)
+        click.echo(
+            "error: the demo needs the example shop (examples/shop) of a source checkout: run it "
+            "from the checkout's root (./scripts/demo), or install the checkout with `pip install -e .`",
+            err=True,
+        )
         sys.exit(EXIT_CONFIG)
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
