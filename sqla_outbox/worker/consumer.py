@@ -142,6 +142,7 @@ class Worker:
         self.visibility: dict[str, int] = {}
         self.slots = SlotPool(concurrency)
         self.in_flight: dict[int, handling.InFlight] = {}
+        self._polls_end: dict[str, float] = {}  # queue → monotonic end of its pending long poll
         self.counters = WorkerCounters()
         self.ready = False
         self.stopping = False
@@ -344,15 +345,29 @@ class Worker:
                 self._start(queue, message)
 
     def _receive(self, queue: str, count: int) -> list[dict[str, Any]]:
-        response = self.client.receive_message(
-            QueueUrl=self.directory.url(queue),
-            MaxNumberOfMessages=min(count, RECEIVE_MAX_MESSAGES),
-            WaitTimeSeconds=self.settings.worker_wait_seconds,
-            AttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
-            MessageAttributeNames=["All"],
-        )
+        self._polls_end[queue] = time.monotonic() + self.settings.worker_wait_seconds
+        try:
+            response = self.client.receive_message(
+                QueueUrl=self.directory.url(queue),
+                MaxNumberOfMessages=min(count, RECEIVE_MAX_MESSAGES),
+                WaitTimeSeconds=self.settings.worker_wait_seconds,
+                AttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
+                MessageAttributeNames=["All"],
+            )
+        finally:
+            self._polls_end.pop(queue, None)
         messages: list[dict[str, Any]] = response.get("Messages", [])
         return messages
+
+    def own_poll_seconds_left(self, queue: str) -> float:
+        """Seconds until this worker's pending long poll on ``queue`` ends (0 if none).
+
+        A message returned while stopping is hidden that long (plus a second), so the
+        worker's own last poll cannot take it back, which would cost it a receive (SQS
+        counts every receive toward the redrive limit) for nothing.
+        """
+        end = self._polls_end.get(queue)
+        return max(end - time.monotonic(), 0.0) if end is not None else 0.0
 
     def _start(self, queue: str, message: dict[str, Any]) -> None:
         self.counters.received += 1

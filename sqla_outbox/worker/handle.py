@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import threading
 import time
 import traceback as tb
@@ -447,8 +448,18 @@ async def give_back(worker: Worker, flight: InFlight, *, reason: str) -> None:
         metrics.RUNS_FINISHED.labels(attempt_task(flight), "queued").inc()
     if flight.verdict is None:
         worker.counters.returned += 1
-        _log(logging.INFO, "message returned to the queue", "worker.returned", flight, reason=reason)
-        await worker.io(worker.outcomes.give_back, flight.queue, flight.receipt_handle)
+        # while stopping, out of reach of this worker's own pending long poll on the queue
+        left = worker.own_poll_seconds_left(flight.queue) if worker.stopping else 0.0
+        hide = math.ceil(left) + 1 if left > 0 else 0
+        _log(
+            logging.INFO,
+            "message returned to the queue",
+            "worker.returned",
+            flight,
+            reason=reason,
+            hide_s=hide,
+        )
+        await worker.io(worker.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
 
 
 def attempt_task(flight: InFlight) -> str:

@@ -288,7 +288,10 @@ def test_kill_9_mid_task_the_message_comes_back_and_the_run_completes(
 def test_sigterm_returns_a_slow_message_and_requeues_its_run(
     app: sessionmaker[Session], engine: sa.Engine, worker_with_relay: Any, sqs: Any, queues: dict[str, str]
 ) -> None:
-    worker = worker_with_relay(SQLA_OUTBOX_WORKER_STOP_BUDGET_SECONDS="1")
+    # a 5 s long poll is pending on the queue while the worker stops
+    worker = worker_with_relay(
+        SQLA_OUTBOX_WORKER_STOP_BUDGET_SECONDS="1", SQLA_OUTBOX_WORKER_WAIT_SECONDS="5"
+    )
     run_id = dispatch(app, "audit", {"mode": "sleep", "seconds": 30})
     wait_for(lambda: status_of(engine, run_id) == "running", timeout=20)
     started = time.monotonic()
@@ -298,10 +301,14 @@ def test_sigterm_returns_a_slow_message_and_requeues_its_run(
     run = run_row(engine, run_id)
     assert (run.status, run.lease_owner) == ("queued", None)
     assert [t.status for t in trail(engine, run_id)] == ["running", "queued"]
-    [message] = receive_all(sqs, queues["default"], expect=1, timeout=5)  # visible at once
+    [message] = receive_all(sqs, queues["default"], expect=1, timeout=10)  # visible within seconds
     assert json.loads(message["Body"])["run_id"] == str(run_id)
+    # regression: the stopping worker's own last long poll used to take the returned message
+    # back (and return it again), spending a second receive of the run's budget
+    assert message["Attributes"]["ApproximateReceiveCount"] == "2"
     assert effects(engine, run_id) == []
-    assert worker.actions("worker.returned")
+    [returned] = worker.actions("worker.returned")
+    assert 1 <= returned["hide_s"] <= 7
 
 
 def test_forged_messages_go_to_the_dlq_and_never_run(
