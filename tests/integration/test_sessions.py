@@ -285,7 +285,7 @@ def test_async_commit_does_not_block_the_event_loop_on_a_hung_valkey(
         async_engine = create_async_engine(database_url)
         session = AsyncSession(async_engine)
         installation = sqla_outbox.install(
-            session, settings.replace(valkey_url=url, wake_timeout_ms=400), catalog=catalog
+            session, settings.replace(valkey_url=url, wake_timeout_ms=2000), catalog=catalog
         )
         ticks: list[float] = []
         stop = asyncio.Event()
@@ -305,7 +305,7 @@ def test_async_commit_does_not_block_the_event_loop_on_a_hung_valkey(
         stop.set()
         await task
         await session.close()
-        installation.waker.drain(2)
+        installation.waker.drain(5)
         failed = installation.waker.stats.failed
         installation.detach()
         await async_engine.dispose()
@@ -314,6 +314,7 @@ def test_async_commit_does_not_block_the_event_loop_on_a_hung_valkey(
 
     with black_hole() as url:
         elapsed, worst_gap, failed = asyncio.run(scenario(url))
-    assert elapsed < 0.2  # the commit did not wait for the hung Valkey ...
-    assert worst_gap < 0.1  # ... nor did anything else on the loop
+    # bounds far below the 2 s wake timeout, far above scheduling noise on a busy machine
+    assert elapsed < 1.0  # the commit did not wait for the hung Valkey ...
+    assert worst_gap < 0.5  # ... nor did anything else on the loop
     assert failed == 1  # the wake itself timed out, on its own thread
