@@ -35,9 +35,14 @@ def _field(name: str) -> dataclasses.Field[Any]:
     return {f.name: f for f in dataclasses.fields(OutboxSettings)}[name]
 
 
+_FLAGS: dict[str, str] = {}
+"""Settings field → the command-line flag that sets it (for error messages)."""
+
+
 def setting(name: str, *flags: str, **kwargs: Any) -> Callable[[Any], Any]:
     """A click option for settings field ``name``, its help naming the env twins."""
     field = _field(name)
+    _FLAGS.setdefault(name, next((f for f in flags if f.startswith("--")), "--" + name.replace("_", "-")))
     unit = f" [{field.metadata['unit']}]" if field.metadata["unit"] else ""
     envs = ", ".join(env_names(name))
     kwargs.setdefault("default", None)
@@ -84,7 +89,16 @@ def load_settings(**overrides: Any) -> OutboxSettings:
         ConfigurationError: A value is invalid (see :meth:`OutboxSettings.from_env`).
     """
     known = {f.name for f in dataclasses.fields(OutboxSettings)}
-    settings = OutboxSettings.from_env(**{k: v for k, v in overrides.items() if k in known})
+    given = {k: v for k, v in overrides.items() if k in known and v is not None}
+    try:
+        settings = OutboxSettings.from_env(**given)
+    except errors.ConfigurationError as exc:
+        # a value that came from a flag is named by the flag, not by its environment twin
+        field = next((name for name in given if exc.option == env_names(name)[0]), None)
+        if field is None or field not in _FLAGS:
+            raise
+        message = str(exc).removeprefix(f"{exc.option}: ")
+        raise errors.ConfigurationError(message, option=_FLAGS[field]) from None
     _loaded["database"] = redact_url(settings.database_url)
     return settings
 

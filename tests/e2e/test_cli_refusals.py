@@ -169,3 +169,22 @@ def test_a_health_port_in_use_is_a_configuration_error(settings: OutboxSettings,
             assert result.returncode == 2, result.stderr
             assert f"SQLA_OUTBOX_HEALTH_PORT: cannot serve probes on 0.0.0.0:{port}" in result.stderr
             assert "Traceback" not in result.stderr
+
+
+def test_a_bad_flag_value_is_named_by_the_flag_and_an_env_value_by_the_variable(tmp_path: Path) -> None:
+    flag = subprocess.run(
+        [str(SCRIPT), "purge", "--dry-run", "--succeeded-after-days", "-1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert (flag.returncode, flag.stderr) == (2, "error: --succeeded-after-days: must be >= 0\n")
+    env = {**os.environ, "SQLA_OUTBOX_PURGE_SUCCEEDED_AFTER_DAYS": "-1"}
+    variable = subprocess.run(
+        [str(SCRIPT), "purge", "--dry-run"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60
+    )
+    assert (variable.returncode, variable.stderr) == (
+        2,
+        "error: SQLA_OUTBOX_PURGE_SUCCEEDED_AFTER_DAYS: must be >= 0\n",
+    )
