@@ -116,6 +116,9 @@ class Installation:
     # --- hooks ---------------------------------------------------------------------------
     def _before_attach(self, session: Session, instance: object) -> None:
         if isinstance(instance, (Dispatch, Publish)):
+            if "_prepared" not in vars(instance):  # made by the ORM (merge), not by __init__
+                kind = type(instance).__name__
+                raise TypeError(f"session.merge() of a {kind} is not supported: add it with session.add()")
             instance._prepared = instance.prepare(
                 self.catalog, max_message_bytes=self.settings.max_message_bytes
             )

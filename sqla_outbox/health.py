@@ -162,7 +162,7 @@ def check_schedules(settings: OutboxSettings) -> CheckResult:
 def _check_database(settings: OutboxSettings) -> CheckResult:
     import sqlalchemy as sa
 
-    url = redact_url(settings.sqlalchemy_url)
+    url = redact_url(settings.database_url)
     try:
         engine = sa.create_engine(settings.sqlalchemy_url, connect_args={"connect_timeout": 5})
         with engine.connect() as conn:

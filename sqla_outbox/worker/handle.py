@@ -467,13 +467,15 @@ def attempt_task(flight: InFlight) -> str:
 
 
 def _log(level: int, message: str, action: str, flight: InFlight, **fields: Any) -> None:
+    """Log about a message; run_id and task only once the envelope was read (a message
+    returned unread during shutdown has neither)."""
+    known = {"run_id": str(flight.run_id) if flight.run_id else None, "task": flight.task_name}
     logger.log(
         level,
         message,
         extra=log_extra(
             action=action,
-            run_id=str(flight.run_id) if flight.run_id else None,
-            task=flight.task_name,
+            **{name: value for name, value in known.items() if value is not None},
             queue=flight.queue,
             message_id=flight.message_id,
             receipt=short_handle(flight.receipt_handle),

@@ -388,3 +388,13 @@ def test_unknown_tenant_violates_the_foreign_key_at_flush(
         with factory() as session, session.begin():
             session.add(Dispatch("audit", tenant_id=999_999))
     assert count(engine, "task_runs") == 0
+
+
+def test_merge_is_refused_clearly_and_writes_nothing(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with factory() as session, pytest.raises(TypeError, match=r"session.merge\(\) of a Dispatch"):
+        session.merge(Dispatch("audit", {}))
+    with factory() as session, pytest.raises(TypeError, match=r"session.merge\(\) of a Publish"):
+        session.merge(Publish("user.created", {"u": 1}))
+    assert count(engine, "task_runs") == 0
