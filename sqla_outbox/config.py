@@ -64,7 +64,9 @@ class OutboxSettings:
         "SQLAlchemy URL of the PostgreSQL database holding the outbox tables. sqla_outbox's "
         "own engines always use the psycopg 3 driver: `postgresql://`, `postgres://` and a "
         "URL naming another PostgreSQL driver (`postgresql+asyncpg://`) are read as "
-        "`postgresql+psycopg://`. Other databases are refused.",
+        "`postgresql+psycopg://` (an asyncpg URL's `ssl=` becomes `sslmode=`, asyncpg-only "
+        "options such as `prepared_statement_cache_size` are dropped). Other databases are "
+        "refused.",
         aliases=("DATABASE_URL",),
     )
     valkey_url: str | None = _setting(
@@ -245,6 +247,8 @@ class OutboxSettings:
         source = os.environ if env is None else env
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
+            if overrides.get(field.name) is not None:
+                continue  # the override wins: the variable is not read (nor blamed)
             for name in env_names(field.name):
                 raw = source.get(name)
                 if raw is None:
@@ -295,15 +299,46 @@ def env_names(field_name: str) -> tuple[str, ...]:
     return (ENV_PREFIX + field_name.upper(), *field.metadata["aliases"])
 
 
+_ASYNCPG_ONLY_OPTIONS = frozenset(
+    {
+        "prepared_statement_cache_size",
+        "statement_cache_size",
+        "max_cached_statement_lifetime",
+        "max_cacheable_statement_size",
+        "command_timeout",
+        "timeout",
+        "direct_tls",
+    }
+)
+"""asyncpg connection options libpq does not know (asyncpg ``connect()``), dropped when an
+asyncpg URL is read for psycopg; ``ssl`` is translated to libpq's ``sslmode`` instead."""
+
+_SSL_TO_SSLMODE = {"true": "require", "false": "disable", "1": "require", "0": "disable"}
+
+
 def sqlalchemy_url(url: str) -> str:
     """The URL with the psycopg 3 driver: for a bare ``postgresql://``/``postgres://`` URL,
     and for another PostgreSQL driver (``postgresql+asyncpg://``, ``+psycopg2``, ...), so an
-    application's own ``DATABASE_URL`` serves sqla_outbox's engines unchanged. Other URLs
-    are returned as they are (and refused by the settings' validation)."""
-    match = re.match(r"^(?:postgresql|postgres)(?:\+[A-Za-z0-9_]+)?://", url)
-    if match:
-        return "postgresql+psycopg://" + url[match.end() :]
-    return url
+    application's own ``DATABASE_URL`` serves sqla_outbox's engines. An asyncpg URL's query
+    is made libpq's: ``ssl=require`` becomes ``sslmode=require`` and asyncpg-only options
+    (``prepared_statement_cache_size``, ...) are dropped. Other URLs are returned as they
+    are (and refused by the settings' validation)."""
+    match = re.match(r"^(?:postgresql|postgres)(\+[A-Za-z0-9_]+)?://", url)
+    if not match:
+        return url
+    converted = "postgresql+psycopg://" + url[match.end() :]
+    if match.group(1) != "+asyncpg" or "?" not in url:
+        return converted
+    try:
+        parsed = make_url(converted)
+    except (sqlalchemy_exc.ArgumentError, ValueError):
+        return converted  # refused, with the URL shown, by the settings' validation
+    query = {k: v for k, v in parsed.query.items() if k not in _ASYNCPG_ONLY_OPTIONS}
+    if "ssl" in query:
+        ssl = query.pop("ssl")
+        value = ssl[-1] if isinstance(ssl, tuple) else ssl
+        query.setdefault("sslmode", _SSL_TO_SSLMODE.get(value.lower(), value))
+    return parsed.set(query=query).render_as_string(hide_password=False)
 
 
 _PASSWORD = re.compile(r"(://[^:/@]*:)([^@]*)(@)")

@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqla_outbox import errors
+from sqla_outbox import errors, tracing
 from sqla_outbox.types import QUEUE_NAMES, JSONValue
 
 VERSION = 1
@@ -305,7 +305,10 @@ def decode(body: str, *, max_bytes: int) -> Envelope:
         raise MalformedEnvelope("bad-payload", "payload is not JSON text") from None
     trace = doc.get("trace", {})
     if not isinstance(trace, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) and len(v) <= 512 and storable_text(k + v)
+        isinstance(k, str)
+        and isinstance(v, str)
+        and len(v) <= tracing.MAX_VALUE_CHARS
+        and storable_text(k + v)
         for k, v in trace.items()
     ):
         raise MalformedEnvelope("bad-field", "trace must map strings to short strings")

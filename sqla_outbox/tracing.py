@@ -24,13 +24,24 @@ except ImportError:  # pragma: no cover - exercised when the extra is absent
 TRACER_NAME = "sqla_outbox"
 
 
+MAX_VALUE_CHARS = 8192
+"""Longest ``traceparent``/``tracestate`` value carried (characters). W3C Trace Context
+allows 32 ``tracestate`` members of up to 256 characters each (about 8 KiB); a longer
+value is dropped at dispatch (the W3C rules allow dropping ``tracestate``), and the worker
+refuses envelopes that carry one."""
+
+
 def current_carrier() -> dict[str, str]:
     """The current trace context as a W3C carrier dict; empty without OpenTelemetry."""
     if propagate is None:
         return {}
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
-    return {k: v for k, v in carrier.items() if k in ("traceparent", "tracestate")}
+    return {
+        k: v
+        for k, v in carrier.items()
+        if k in ("traceparent", "tracestate") and isinstance(v, str) and len(v) <= MAX_VALUE_CHARS
+    }
 
 
 @contextlib.contextmanager

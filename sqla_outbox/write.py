@@ -232,22 +232,23 @@ def _resolve_existing(connection: Connection, missing: list[PreparedRun]) -> lis
             },
         )
         found = {(row.task, row.tenant_id, row.idempotency_key): row.run_id for row in rows}
-    chosen = [run.run_id for run in missing if run.idempotency_key is None]
+    by_id = [run.run_id for run in missing if _key(run) is None or _key(run) not in found]
     existing = {}
-    if chosen:
-        existing = {row.run_id: row for row in connection.execute(_FIND_BY_ID, {"run_ids": chosen})}
+    if by_id:  # lost on the run_id itself: a caller-chosen run_id that already exists
+        existing = {row.run_id: row for row in connection.execute(_FIND_BY_ID, {"run_ids": by_id})}
     retry = []
     for run in missing:
         key = _key(run)
-        if key is None:  # caller-chosen run_id that already exists
-            other = existing.get(run.run_id)
-            if other is not None:
-                _check_same_run(run, other.task, other.tenant_id)
-            run.resolved_run_id = run.run_id
-        elif key in found:
+        other = existing.get(run.run_id)
+        if key is not None and key in found:
             run.resolved_run_id = found[key]
+        elif other is not None:
+            _check_same_run(run, other.task, other.tenant_id)
+            run.resolved_run_id = run.run_id
+        elif key is None:  # (it existed a moment ago and was purged since: nothing to join)
+            run.resolved_run_id = run.run_id
         else:
-            retry.append(run)
+            retry.append(run)  # the keyed rival finished between the two statements
     return retry
 
 

@@ -222,17 +222,18 @@ class Registry:
             queues: The logical queues the worker will consume.
 
         Returns:
-            Warnings (a consumed queue no registered task routes to: any message on it
-            would be dead-lettered as ``unknown-task``).
+            Warnings: a consumed queue no registered task routes to (any message on it
+            would be dead-lettered as ``unknown-task``); a task's or the worker's
+            ``max_receives`` not below the ``max_receive_count`` setting (SQS would move
+            messages to the DLQ before the worker records a verdict). The worker refuses
+            that conflict at start against each queue's actual ``RedrivePolicy``, which
+            may differ from the setting.
 
         Raises:
             ConfigurationError: No task besides the built-in ones is registered (the task
-                modules were not imported: every message would go to the DLQ); a task's or
-                the worker's ``max_receives`` is not below the queues' redrive
-                ``maxReceiveCount`` (SQS would move the message to the DLQ before the
-                worker records a verdict, leaving the run unfinished); an ``async def``
-                handler is registered but greenlet, which SQLAlchemy's asyncio support
-                needs, cannot be imported.
+                modules were not imported: every message would go to the DLQ); an
+                ``async def`` handler is registered but greenlet, which SQLAlchemy's
+                asyncio support needs, cannot be imported.
         """
         from sqla_outbox.maintenance import BUILTIN_TASKS
 
@@ -244,22 +245,21 @@ class Registry:
                 "myapp.tasks); without them every message would go to the DLQ as unknown-task",
                 option="--imports / SQLA_OUTBOX_WORKER_IMPORTS",
             )
-        redrive = settings.max_receive_count
+        warnings = []
+        redrive = settings.max_receive_count  # what provisioning sets; the worker also reads the queues'
         if settings.worker_max_receives >= redrive:
-            raise errors.ConfigurationError(
-                f"worker_max_receives ({settings.worker_max_receives}) must be below the queues' "
-                f"redrive maxReceiveCount ({redrive}), or SQS dead-letters messages before the "
-                "worker records a verdict",
-                option="SQLA_OUTBOX_WORKER_MAX_RECEIVES",
+            warnings.append(
+                f"worker_max_receives ({settings.worker_max_receives}) is not below max_receive_count "
+                f"({redrive}): with that redrive policy SQS dead-letters messages before the worker "
+                "records a verdict (the worker checks each queue's actual RedrivePolicy at start)"
             )
         for definition in self.tasks.values():
             limit = definition.retry.max_receives
             if limit is not None and limit >= redrive:
-                raise errors.ConfigurationError(
-                    f"task {definition.name!r}: RetryPolicy(max_receives={limit}) must be below the "
-                    f"queues' redrive maxReceiveCount ({redrive}), or SQS dead-letters messages "
-                    "before the worker records a verdict",
-                    option="@task(retry)",
+                warnings.append(
+                    f"task {definition.name!r}: RetryPolicy(max_receives={limit}) is not below "
+                    f"max_receive_count ({redrive}): with that redrive policy SQS dead-letters its "
+                    "messages before the worker records a verdict"
                 )
         if any(d.is_async for d in self.tasks.values()):
             if importlib.util.find_spec("greenlet") is None:
@@ -270,7 +270,7 @@ class Registry:
                     option="@task",
                 )
         served = {d.queue for d in self.tasks.values()}
-        return [
+        return warnings + [
             f"no registered task uses queue {queue!r}: its messages would go to the DLQ as unknown-task"
             for queue in queues
             if queue not in served

@@ -294,6 +294,22 @@ def test_caller_chosen_run_id_of_another_task_or_tenant_is_refused(
     assert count(engine, "task_runs") == 1 and count(engine, "outbox_messages") == 1
 
 
+def test_keyed_dispatch_whose_chosen_run_id_exists_is_never_silently_dropped(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    run_id = uuid.uuid4()
+    with factory() as session, session.begin():
+        session.add(Dispatch("audit", {}, tenant_id=1, run_id=run_id))
+    with factory() as session, pytest.raises(errors.InvalidDispatch, match="already belongs"):
+        with session.begin():
+            session.add(Dispatch("send_welcome", {}, tenant_id=1, run_id=run_id, idempotency_key="k"))
+    with factory() as session, session.begin():  # same task and tenant: resolves to that run
+        same = Dispatch("audit", {}, tenant_id=1, run_id=run_id, idempotency_key="k")
+        session.add(same)
+    assert (same.resolved_run_id, same.deduplicated) == (run_id, True)
+    assert count(engine, "task_runs") == 1
+
+
 def test_dispatch_helper_returns_the_resolved_run(factory: sessionmaker[Session]) -> None:
     with factory() as session, session.begin():
         first = sqla_outbox.dispatch(session, "audit", {"a": 1}, tenant_id=1, idempotency_key="x")

@@ -177,3 +177,22 @@ def test_valkey_url_must_be_a_redis_url_at_every_entry_point() -> None:
     assert (
         OutboxSettings.from_env({"REDIS_URL": "valkey://cache:6379/0"}).valkey_url == "valkey://cache:6379/0"
     )
+
+
+def test_an_asyncpg_url_query_is_translated_for_libpq() -> None:
+    url = "postgresql+asyncpg://app:s3cret@db:5432/app?ssl=require&prepared_statement_cache_size=0&application_name=x"
+    assert (
+        sqlalchemy_url(url)
+        == "postgresql+psycopg://app:s3cret@db:5432/app?application_name=x&sslmode=require"
+    )
+    assert (
+        sqlalchemy_url("postgresql+asyncpg://app@db/app?ssl=true")
+        == "postgresql+psycopg://app@db/app?sslmode=require"
+    )
+
+
+def test_a_variable_overridden_by_an_option_is_not_read() -> None:
+    env = {"SQLA_OUTBOX_RELAY_BATCH_SIZE": "abc"}
+    assert OutboxSettings.from_env(env, relay_batch_size=10).relay_batch_size == 10
+    with pytest.raises(errors.ConfigurationError, match="SQLA_OUTBOX_RELAY_BATCH_SIZE"):
+        OutboxSettings.from_env(env)

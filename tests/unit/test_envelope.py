@@ -178,3 +178,14 @@ def test_signatures_verify_with_any_listed_key_and_reject_everything_else() -> N
     assert not envelope.signature_valid(body, signature, ["another-key-0123456"])
     assert not envelope.signature_valid(body, None, ["new-key-0123456789"])
     assert not envelope.signature_valid(body, "", ["new-key-0123456789"])
+
+
+def test_a_full_w3c_tracestate_travels_and_an_oversized_one_is_refused() -> None:
+    members = ",".join(f"vendor{i}=" + "x" * 240 for i in range(32))  # the W3C maximum
+    assert len(members) > 7_000
+    doc = make().to_document()
+    doc["trace"] = {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01", "tracestate": members}
+    assert envelope.decode(json.dumps(doc), max_bytes=262_144).trace["tracestate"] == members
+    doc["trace"]["tracestate"] = "x" * 9_000
+    with pytest.raises(envelope.MalformedEnvelope):
+        envelope.decode(json.dumps(doc), max_bytes=262_144)
