@@ -78,17 +78,23 @@ def _commit_refused(session: Session, task: str) -> Iterator[None]:
     """While the handler runs, its session's ``commit()`` raises HandlerCommitForbidden.
 
     SQLAlchemy's ``before_commit`` also fires when a savepoint (``begin_nested()``) is
-    released; that is allowed: only the outermost transaction's commit is refused."""
+    released; that is allowed: only the outermost transaction's commit is refused. A
+    handler that catches the error and returns normally still fails: the refusal is
+    raised again when the handler returns."""
+    refused: list[errors.HandlerCommitForbidden] = []
 
     def refuse(session: Session) -> None:
         if session.get_nested_transaction() is None:
-            raise errors.HandlerCommitForbidden(task)
+            refused.append(errors.HandlerCommitForbidden(task))
+            raise refused[-1]
 
     event.listen(session, "before_commit", refuse)
     try:
         yield
     finally:
         event.remove(session, "before_commit", refuse)
+    if refused:
+        raise refused[0]
 
 
 def run_sync(
