@@ -137,7 +137,9 @@ def handle_errors(show_traceback: bool) -> Iterator[None]:
     except Exception as exc:
         if show_traceback:
             raise
-        if _is_missing_outbox_table(exc):
+        from sqla_outbox.migrations import is_missing_outbox_table
+
+        if is_missing_outbox_table(exc):
             database = _loaded.get("database", "the configured database")
             click.echo(f"error: {missing_tables_message(database)}", err=True)
             sys.exit(EXIT_CONFIG)
@@ -154,19 +156,6 @@ def _connection_error_summary(exc: BaseException) -> str:
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     first = lines[0] if lines else ""
     return redact_url(f"{type(cause).__name__}: {first}"[:400])
-
-
-def _is_missing_outbox_table(exc: BaseException) -> bool:
-    """PostgreSQL said one of our tables does not exist (SQLSTATE 42P01, undefined_table)."""
-    import sqlalchemy.exc
-
-    from sqla_outbox import migrations
-
-    if not isinstance(exc, sqlalchemy.exc.ProgrammingError):
-        return False
-    if getattr(exc.orig, "sqlstate", None) != "42P01":
-        return False
-    return any(f'relation "{table}" does not exist' in str(exc.orig) for table in migrations.OUTBOX_TABLES)
 
 
 def _is_connection_error(exc: BaseException) -> bool:
@@ -380,21 +369,28 @@ def migrate_command(
                 settings.sqlalchemy_url, revision, sql=True
             )
             return
-        before = migrations.current_revisions(settings.sqlalchemy_url)
-        if not before and not downgrade and migrations.tables_present(settings.sqlalchemy_url):
-            raise errors.ConfigurationError(
-                f"the outbox tables already exist in {redact_url(settings.database_url)}, but not "
-                f"through `sqla-outbox migrate` (its {migrations.VERSION_TABLE} table records "
-                "nothing): your application's Alembic environment manages them; run "
-                "`alembic upgrade heads` there (docs/alembic.md)",
-                option="sqla-outbox migrate",
-            )
-        if downgrade:
-            migrations.downgrade(settings.sqlalchemy_url, revision)
-        else:
-            migrations.upgrade(settings.sqlalchemy_url, revision)
-        after = migrations.current_revisions(settings.sqlalchemy_url)
-        click.echo(_migration_summary(redact_url(settings.database_url), before, after, downgrade))
+        import sqlalchemy as sa
+
+        database = redact_url(settings.database_url)
+        engine = sa.create_engine(settings.sqlalchemy_url, poolclass=sa.pool.NullPool)
+        try:
+            before = migrations.current_revisions(engine)
+            if not before and not downgrade:
+                with engine.connect() as connection:
+                    missing = migrations.missing_tables(connection)
+                if len(missing) < len(migrations.OUTBOX_TABLES):
+                    raise errors.ConfigurationError(
+                        f"the outbox tables already exist in {database}, but not through "
+                        f"`sqla-outbox migrate` (its {migrations.VERSION_TABLE} table records "
+                        "nothing): your application's Alembic environment manages them; run "
+                        "`alembic upgrade heads` there (docs/alembic.md)",
+                        option="sqla-outbox migrate",
+                    )
+            (migrations.downgrade if downgrade else migrations.upgrade)(engine, revision)
+            after = migrations.current_revisions(engine)
+        finally:
+            engine.dispose()
+        click.echo(_migration_summary(database, before, after, downgrade))
 
 
 def _migration_summary(

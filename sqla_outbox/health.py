@@ -162,21 +162,20 @@ def check_schedules(settings: OutboxSettings) -> CheckResult:
 def _check_database(settings: OutboxSettings) -> CheckResult:
     import sqlalchemy as sa
 
+    from sqla_outbox import migrations
+
     url = redact_url(settings.database_url)
     try:
         engine = sa.create_engine(settings.sqlalchemy_url, connect_args={"connect_timeout": 5})
         with engine.connect() as conn:
-            present = conn.execute(
-                sa.text(
-                    "SELECT count(*) FROM information_schema.tables WHERE table_name IN "
-                    "('outbox_messages', 'platform_outbox_messages', 'task_runs', 'task_run_trail')"
-                )
-            ).scalar_one()
+            missing = migrations.missing_tables(conn)
         engine.dispose()
     except Exception as exc:
         return CheckResult("postgresql", False, f"{url}: {type(exc).__name__}")
-    if present < 4:
-        return CheckResult("postgresql", False, f"{url}: outbox tables missing (run `sqla-outbox migrate`)")
+    if missing:
+        from sqla_outbox.cli import missing_tables_message
+
+        return CheckResult("postgresql", False, missing_tables_message(url, missing))
     return CheckResult("postgresql", True, url)
 
 

@@ -147,16 +147,16 @@ def missing_tables(connection: Any) -> list[str]:
     return [str(name) for name in rows.scalars()]
 
 
-def tables_present(url: str) -> bool:
-    """Whether any of :data:`OUTBOX_TABLES` exists in the database at ``url``."""
+def is_missing_outbox_table(exc: BaseException) -> bool:
+    """Whether ``exc`` is PostgreSQL's undefined_table (SQLSTATE 42P01) on a statement that
+    uses one of :data:`OUTBOX_TABLES`: the database was never migrated. Decided on the
+    SQLSTATE and the statement text, not on the server's (possibly translated) message."""
     import sqlalchemy as sa
 
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    try:
-        with engine.connect() as connection:
-            return len(missing_tables(connection)) < len(OUTBOX_TABLES)
-    finally:
-        engine.dispose()
+    if not isinstance(exc, sa.exc.DBAPIError) or getattr(exc.orig, "sqlstate", None) != "42P01":
+        return False
+    statement = str(exc.statement or "")
+    return any(table in statement for table in OUTBOX_TABLES)
 
 
 def current_revisions(target: Any) -> tuple[str, ...]:

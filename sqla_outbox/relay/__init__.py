@@ -40,7 +40,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from sqla_outbox import metrics
+from sqla_outbox import metrics, migrations
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
@@ -231,10 +231,9 @@ class Relay:
                             self._stop.wait(self.settings.relay_standby_poll_seconds)
                 except sa.exc.DBAPIError as exc:
                     self._set_leader(False)
-                    undefined_table = getattr(exc.orig, "sqlstate", None) == "42P01"  # undefined_table
                     logger.warning(
                         "the outbox tables are missing (run `sqla-outbox migrate`); retrying"
-                        if undefined_table
+                        if migrations.is_missing_outbox_table(exc)
                         else "relay lost the database; retrying",
                         extra=log_extra(
                             action="relay.db_error", error_type=type(exc.orig).__name__, retry_in_s=backoff

@@ -427,7 +427,7 @@ class _InlineRunner:
             definition = self.registry.get(env.task)
         except errors.HandlerNotFound as missing:
             return self._fail(attempt, missing, reason="unknown-task", trace=None)
-        limit = definition.retry.max_receives or self.settings.worker_max_receives
+        limit = definition.effective_max_receives(self.settings.worker_max_receives)
         if attempt.receive_count > limit:
             exhausted = errors.PermanentError(
                 f"delivered {attempt.receive_count} times without a verdict (limit {limit})"

@@ -293,7 +293,7 @@ class Worker:
         for definition in self.registry.tasks.values():
             if definition.queue != queue:
                 continue
-            receives = definition.retry.max_receives or self.settings.worker_max_receives
+            receives = definition.effective_max_receives(self.settings.worker_max_receives)
             if receives >= limit:
                 raise errors.ConfigurationError(
                     f"queue {self.settings.queue_url_name(queue)!r} has redrive maxReceiveCount "

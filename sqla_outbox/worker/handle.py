@@ -203,7 +203,7 @@ async def handle_message(worker: Worker, flight: InFlight) -> None:
     except errors.HandlerNotFound as missing:
         await _fail(worker, flight, attempt, missing, reason="unknown-task", trace=None)
         return
-    limit = definition.retry.max_receives or worker.settings.worker_max_receives
+    limit = definition.effective_max_receives(worker.settings.worker_max_receives)
     if flight.receive_count > limit:
         exhausted = errors.PermanentError(
             f"delivered {flight.receive_count} times without a verdict (limit {limit}); "

@@ -106,6 +106,11 @@ class TaskDefinition:
             return DEFAULT_TIMEOUT_SECONDS[self.queue]
         return None if self.timeout_seconds == 0 else self.timeout_seconds
 
+    def effective_max_receives(self, default: int) -> int:
+        """The receive on which a transient failure goes to the DLQ: the task's
+        ``RetryPolicy.max_receives``, else ``default`` (the ``worker_max_receives`` setting)."""
+        return self.retry.max_receives or default
+
     def is_permanent(self, exc: BaseException) -> bool:
         return isinstance(exc, errors.PermanentError) or isinstance(exc, self.permanent)
 

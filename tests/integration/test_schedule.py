@@ -122,3 +122,17 @@ def test_without_a_catalog_file_the_relay_still_schedules_the_purge_and_says_so(
 
     relay = Relay(settings, engine=engine)  # the test catalog file: its own schedules only
     assert relay.scheduler is None
+
+
+def test_relay_check_lists_the_schedules_it_will_run(settings: OutboxSettings, tmp_path) -> None:
+    from sqla_outbox import health
+
+    present = health.check_schedules(settings)
+    assert present.ok and present.detail.startswith(settings.catalog_path)
+    absent = health.check_schedules(settings.replace(catalog_path=str(tmp_path / "none" / "tasks.json")))
+    assert absent.ok and "built-in schedules only (maintenance.purge)" in absent.detail
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    invalid = health.check_schedules(settings.replace(catalog_path=str(broken)))
+    assert not invalid.ok and str(broken) in invalid.detail
+    assert health.check_schedules(settings.replace(relay_scheduler=False)).detail.startswith("scheduler off")

@@ -189,3 +189,25 @@ def test_a_full_w3c_tracestate_travels_and_an_oversized_one_is_refused() -> None
     doc["trace"]["tracestate"] = "x" * 9_000
     with pytest.raises(envelope.MalformedEnvelope):
         envelope.decode(json.dumps(doc), max_bytes=262_144)
+
+
+def test_a_tracestate_too_long_to_carry_is_dropped_at_dispatch_and_the_trace_kept() -> None:
+    """W3C Trace Context lets a propagator drop ``tracestate``; the worker would refuse it."""
+    from opentelemetry import context, trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+
+    from sqla_outbox import tracing
+
+    def carrier(state: TraceState) -> dict[str, str]:
+        span_context = SpanContext(
+            0x1234, 0x5678, is_remote=True, trace_flags=TraceFlags(1), trace_state=state
+        )
+        token = context.attach(trace.set_span_in_context(NonRecordingSpan(span_context)))
+        try:
+            return tracing.current_carrier()
+        finally:
+            context.detach(token)
+
+    assert carrier(TraceState([("vendor", "abc")]))["tracestate"] == "vendor=abc"
+    oversized = carrier(TraceState([(f"v{i:02d}" + "k" * 100, "x" * 250) for i in range(32)]))
+    assert "tracestate" not in oversized and oversized["traceparent"].startswith("00-")

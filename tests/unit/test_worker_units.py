@@ -212,3 +212,22 @@ def test_handler_signature_and_schedule_type_are_checked_at_import() -> None:
 
     assert set(registry.tasks) == {"defaults", "star"}
     assert registry.get("defaults").takes_context and not registry.get("star").takes_context
+
+
+def test_preflight_refuses_async_handlers_without_greenlet(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from sqla_outbox.config import OutboxSettings
+
+    registry = Registry()
+
+    @registry.task("index")
+    async def index(payload: dict) -> None: ...
+
+    assert registry.preflight(OutboxSettings(), queues=("default",)) == []
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "greenlet" else real_find_spec(name, *a)
+    )
+    with pytest.raises(errors.ConfigurationError, match=r"async handlers \(index\) need greenlet"):
+        registry.preflight(OutboxSettings(), queues=("default",))
