@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging.config
 
 from alembic import context
-
 from sqla_outbox.migrations.environment import run
 
 if context.config.config_file_name is not None:

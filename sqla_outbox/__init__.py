@@ -15,6 +15,11 @@ commits::
 
 ``python -m sqla_outbox.relay`` sends committed rows to SQS; ``python -m
 sqla_outbox.worker`` runs the handlers. The API process imports neither.
+
+Layers, top to bottom (``docs/architecture.md``; checked by ``lint-imports``): ``cli`` →
+``health | testing | ops`` → ``worker`` → ``relay`` → ``maintenance | events | migrations
+| sqs`` → ``write | wakeup | models`` → ``dispatch`` → ``envelope | catalog`` →
+``config | metrics | tracing | logging`` → ``errors | types``.
 """
 
 from __future__ import annotations

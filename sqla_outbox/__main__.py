@@ -1,5 +1,5 @@
-"""``python -m sqla_outbox``: the ``sqla-outbox`` command."""
+"""``python -m sqla_outbox <command>``: the command group (:mod:`sqla_outbox.cli.main`)."""
 
-from sqla_outbox.cli import main
+from sqla_outbox.cli.main import main
 
 main()

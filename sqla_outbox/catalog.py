@@ -2,8 +2,8 @@
 
 The API process validates every dispatch against the catalog and finds an event's
 subscribers in it, so it never imports worker code. The worker writes the file from its
-registered handlers (``sqla-outbox catalog write``) and application CI checks that it is
-current (``sqla-outbox catalog write --check``).
+registered handlers (``python -m sqla_outbox catalog write``) and application CI checks that it is
+current (``python -m sqla_outbox catalog write --check``).
 
 Format (version 1)::
 
@@ -159,7 +159,7 @@ class Catalog:
         except FileNotFoundError as exc:
             raise errors.CatalogError(
                 "catalog file not found (set SQLA_OUTBOX_CATALOG_PATH, or generate it with "
-                "`sqla-outbox catalog write`)",
+                "`python -m sqla_outbox catalog write`)",
                 path=str(path),
             ) from exc
         try:

@@ -538,7 +538,7 @@ def reference_markdown() -> str:
         "Every setting is a field of `sqla_outbox.OutboxSettings` and has one canonical environment",
         "variable with the `SQLA_OUTBOX_` prefix; some also accept the bare names deployments already",
         "use. Precedence: command-line option > `SQLA_OUTBOX_*` variable > bare alias > default.",
-        "`sqla-outbox config` prints the values in effect (passwords masked).",
+        "`python -m sqla_outbox config` prints the values in effect (passwords masked).",
         "",
         "AWS credentials and region are not settings: boto3 reads them from its own chain",
         "(`AWS_REGION`, `AWS_PROFILE`, `AWS_ACCESS_KEY_ID`, instance roles, ...).",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import http.server
-import json
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -155,7 +154,7 @@ def check_schedules(settings: OutboxSettings) -> CheckResult:
         "schedules",
         True,
         f"no catalog at {settings.catalog_path}: built-in schedules only ({listed}); "
-        "application schedules need `sqla-outbox catalog write`",
+        "application schedules need `python -m sqla_outbox catalog write`",
     )
 
 
@@ -173,19 +172,17 @@ def _check_database(settings: OutboxSettings) -> CheckResult:
     except Exception as exc:
         return CheckResult("postgresql", False, f"{url}: {type(exc).__name__}")
     if missing:
-        from sqla_outbox.cli import missing_tables_message
-
-        return CheckResult("postgresql", False, missing_tables_message(url, missing))
+        return CheckResult("postgresql", False, migrations.missing_tables_message(url, missing))
     return CheckResult("postgresql", True, url)
 
 
 def _check_valkey(settings: OutboxSettings) -> CheckResult:
     if settings.valkey_url is None:
         return CheckResult("valkey", True, "not configured: sweep-only")
-    import redis
+    from sqla_outbox import wakeup
 
     try:
-        redis.Redis.from_url(settings.valkey_url, socket_connect_timeout=3, socket_timeout=3).ping()
+        wakeup.ping(settings.valkey_url, timeout_seconds=3)
     except Exception as exc:
         return CheckResult("valkey", False, f"{redact_url(settings.valkey_url)}: {type(exc).__name__}")
     return CheckResult("valkey", True, redact_url(settings.valkey_url))
@@ -201,26 +198,7 @@ def _check_queues(settings: OutboxSettings) -> CheckResult:
             directory.url(queue)
             directory.dlq_url(queue)
     except Exception as exc:
-        return CheckResult("sqs", False, f"{error_code(exc)} (run `sqla-outbox provision`)")
+        return CheckResult("sqs", False, f"{error_code(exc)} (run `python -m sqla_outbox provision`)")
     return CheckResult(
         "sqs", True, f"{len(QUEUE_NAMES)} queues and DLQs with prefix {settings.queue_prefix!r}"
     )
-
-
-def print_report(report: CheckReport, *, as_json: bool) -> None:
-    """Print a check report as a table or JSON."""
-    if as_json:
-        print(
-            json.dumps({"ok": report.ok, "checks": [dataclasses.asdict(r) for r in report.results]}, indent=2)
-        )
-        return
-    from rich.table import Table
-
-    from sqla_outbox.cli import console, styled
-
-    table = Table(title="sqla_outbox services")
-    for column in ("service", "status", "detail"):
-        table.add_column(column)
-    for r in report.results:
-        table.add_row(r.service, styled("ok", "green") if r.ok else styled("FAILED", "red"), r.detail)
-    console().print(table)

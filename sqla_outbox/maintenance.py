@@ -31,7 +31,7 @@ Settings: the task reads ``purge_*`` from :meth:`OutboxSettings.from_env
 command-line options for them, so the environment is where they come from) and deletes
 through the worker's own engine (``ctx.session.get_bind()``), one transaction per batch
 rather than the handler's transaction, which commits only with the run's verdict.
-``sqla-outbox purge`` runs the same code from the command line, with ``--dry-run``.
+``python -m sqla_outbox purge`` runs the same code from the command line, with ``--dry-run``.
 """
 
 from __future__ import annotations
@@ -41,16 +41,14 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import DateTime, Integer, bindparam, text
 from sqlalchemy.engine import Connection, Engine
 
-from sqla_outbox.catalog import Catalog
+from sqla_outbox.catalog import Catalog, TaskSpec
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
-from sqla_outbox.worker.context import TaskContext
-from sqla_outbox.worker.registry import registry, task
 
 logger = logging.getLogger(__name__)
 
@@ -292,20 +290,26 @@ def _delete_batch(
     return int(row.deleted), int(row.trail_rows)
 
 
-@task(
-    PURGE_TASK,
-    queue="maintenance",
-    scope="platform",
-    schedule=PURGE_SCHEDULE,
-)
-def purge_task(payload: Any, ctx: TaskContext) -> None:
+class PurgeContext(Protocol):
+    """What :func:`purge_task` uses of the handler's context (a worker ``TaskContext``)."""
+
+    session: Any
+
+    @property
+    def cancelled(self) -> bool: ...
+
+
+def purge_task(payload: Any, ctx: PurgeContext) -> None:
     """Delete sent outbox rows and finished runs past their retention (daily).
 
-    The payload is ignored (the relay's scheduler sends ``{"slot": "<ISO 8601>"}``; a
-    manual dispatch may send ``{}``). Settings come from the worker
-    process's environment (``SQLA_OUTBOX_PURGE_*``), the database from the worker's own
-    engine; see the module docstring. A cancelled attempt (timeout, shutdown) stops
-    between batches; what was deleted stays deleted and the next run continues.
+    The handler of :data:`PURGE_TASK`; every worker registry built with
+    ``Registry.with_builtins()`` (the default registry is) registers it as
+    :data:`PURGE_SPEC` says. The payload is ignored (the relay's scheduler sends
+    ``{"slot": "<ISO 8601>"}``; a manual dispatch may send ``{}``). Settings come from the
+    worker process's environment (``SQLA_OUTBOX_PURGE_*``), the database from the
+    worker's own engine; see the module docstring. A cancelled attempt (timeout,
+    shutdown) stops between batches; what was deleted stays deleted and the next run
+    continues.
     """
     settings = OutboxSettings.from_env()
     bind = ctx.session.get_bind()
@@ -313,7 +317,20 @@ def purge_task(payload: Any, ctx: TaskContext) -> None:
     purge(engine, settings, should_stop=lambda: ctx.cancelled)
 
 
+PURGE_SPEC = TaskSpec(
+    name=PURGE_TASK,
+    queue="maintenance",
+    scope="platform",
+    schedule=PURGE_SCHEDULE,
+    description="Delete sent outbox rows and finished runs past their retention (daily).",
+)
+"""How the built-in purge task is registered and cataloged."""
+
+BUILTIN_HANDLERS: dict[str, tuple[TaskSpec, Callable[..., None]]] = {PURGE_TASK: (PURGE_SPEC, purge_task)}
+"""Built-in task name → (its catalog entry, its handler), for registries to register."""
+
+
 def builtin_catalog() -> Catalog:
     """A catalog of sqla_outbox's own tasks (``maintenance.purge`` and its daily schedule),
     for a relay that has no application catalog."""
-    return Catalog.build([registry.get(name).spec() for name in BUILTIN_TASKS], {})
+    return Catalog.build([spec for spec, _ in BUILTIN_HANDLERS.values()], {})

@@ -85,6 +85,25 @@ def _make_client(url: str, timeout_seconds: float) -> redis.Redis:
     )
 
 
+def is_unreachable(exc: BaseException) -> bool:
+    """True when ``exc`` is redis-py's failure to connect to Valkey."""
+    return isinstance(exc, redis.ConnectionError)
+
+
+def ping(url: str, *, timeout_seconds: float = 3.0) -> None:
+    """Connect to the Valkey at ``url`` and PING it once.
+
+    Raises:
+        ConfigurationError: ``url`` is not a Valkey/Redis URL.
+        redis.RedisError, OSError: Valkey did not answer within ``timeout_seconds``.
+    """
+    client = _client(url, timeout_seconds)
+    try:
+        client.ping()
+    finally:
+        client.close()
+
+
 class Waker:
     """Pushes the wake signal after commits (application side), off the commit path.
 

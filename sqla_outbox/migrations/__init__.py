@@ -3,7 +3,7 @@
 Standalone (this package's own environment, its own version table
 ``sqla_outbox_alembic_version``)::
 
-    sqla-outbox migrate                       # or: sqla_outbox.migrations.upgrade(url)
+    python -m sqla_outbox migrate                       # or: sqla_outbox.migrations.upgrade(url)
     alembic -c alembic.ini upgrade head       # from a checkout of this repository
 
 From an application's Alembic environment (its own migrations plus ours, one head per
@@ -157,6 +157,17 @@ def is_missing_outbox_table(exc: BaseException) -> bool:
         return False
     statement = str(exc.statement or "")
     return any(table in statement for table in OUTBOX_TABLES)
+
+
+def missing_tables_message(database: str, missing: list[str] | None = None) -> str:
+    """The one-line explanation for a database whose outbox tables do not exist.
+
+    Args:
+        database: The database URL with its password masked.
+        missing: The tables not found, when only some are missing.
+    """
+    which = f" ({', '.join(missing)} not found)" if missing and len(missing) < len(OUTBOX_TABLES) else ""
+    return f"the outbox tables are missing in {database}{which}: run `python -m sqla_outbox migrate`"
 
 
 def current_revisions(target: Any) -> tuple[str, ...]:

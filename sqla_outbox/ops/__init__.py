@@ -1,1 +1,1 @@
-"""Operations: what an on-call engineer runs (``sqla-outbox status|runs|dlq|purge``)."""
+"""Operations: what an on-call engineer runs (``python -m sqla_outbox status|runs|dlq|purge``)."""

@@ -1,4 +1,4 @@
-"""Reading the dead-letter queues: ``sqla-outbox dlq list`` (and the scan ``dlq requeue`` uses).
+"""Reading the dead-letter queues: ``python -m sqla_outbox dlq list`` (and the scan ``dlq requeue`` uses).
 
 SQS has no "peek": the only way to read a queue is ReceiveMessage, which hides each
 message for a visibility timeout. :class:`DeadLetterScan` therefore receives every

@@ -1,4 +1,4 @@
-"""``sqla-outbox dlq requeue``: give failed runs another go, through the outbox.
+"""``python -m sqla_outbox dlq requeue``: give failed runs another go, through the outbox.
 
 A requeue never sends to SQS itself. For each selected run, in **one transaction**:
 

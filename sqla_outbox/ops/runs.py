@@ -1,4 +1,4 @@
-"""``sqla-outbox runs show|list``: one run with its trail, or the runs matching filters.
+"""``python -m sqla_outbox runs show|list``: one run with its trail, or the runs matching filters.
 
 Read-only. Ages and age filters use the database clock (``clock_timestamp()``), so a
 skewed operator laptop never shifts them. Age filters apply to ``created_at`` (when the

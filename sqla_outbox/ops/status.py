@@ -1,4 +1,4 @@
-"""``sqla-outbox status``: what is waiting, what is running, what is stuck, how deep the queues are.
+"""``python -m sqla_outbox status``: what is waiting, what is running, what is stuck, how deep the queues are.
 
 Four readings, each a small query or API call:
 
@@ -144,7 +144,7 @@ class QueueDepth:
 
 @dataclasses.dataclass(frozen=True)
 class StatusReport:
-    """Everything ``sqla-outbox status`` shows.
+    """Everything ``python -m sqla_outbox status`` shows.
 
     Attributes:
         database_time: Database clock when the report was taken (UTC).

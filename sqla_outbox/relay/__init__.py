@@ -108,7 +108,7 @@ def scheduling_catalog(settings: OutboxSettings, *, warn: bool = True) -> Catalo
     if warn:
         logger.warning(
             "no task catalog at %s: only the built-in schedules run (maintenance.purge); "
-            "write it with `sqla-outbox catalog write` and set SQLA_OUTBOX_CATALOG_PATH",
+            "write it with `python -m sqla_outbox catalog write` and set SQLA_OUTBOX_CATALOG_PATH",
             path,
             extra=log_extra(action="relay.no_catalog", path=str(path)),
         )
@@ -232,7 +232,7 @@ class Relay:
                 except sa.exc.DBAPIError as exc:
                     self._set_leader(False)
                     logger.warning(
-                        "the outbox tables are missing (run `sqla-outbox migrate`); retrying"
+                        "the outbox tables are missing (run `python -m sqla_outbox migrate`); retrying"
                         if migrations.is_missing_outbox_table(exc)
                         else "relay lost the database; retrying",
                         extra=log_extra(

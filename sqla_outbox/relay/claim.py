@@ -174,7 +174,7 @@ class PendingStat:
 
 
 def pending_stats(connection: Connection) -> list[PendingStat]:
-    """Pending rows per table and queue (for gauges and ``sqla-outbox status``)."""
+    """Pending rows per table and queue (for gauges and ``python -m sqla_outbox status``)."""
     return [
         PendingStat(r.tbl, r.queue, int(r.pending), float(r.lag)) for r in connection.execute(_PENDING_STATS)
     ]

@@ -70,6 +70,14 @@ def error_code(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def is_unreachable(exc: BaseException) -> bool:
+    """True when ``exc`` says SQS could not be reached or called at all: no connection to
+    the endpoint, or no credentials in boto3's chain (the CLI reports these as exit 3)."""
+    return isinstance(
+        exc, (botocore.exceptions.EndpointConnectionError, botocore.exceptions.NoCredentialsError)
+    )
+
+
 def is_missing_queue(exc: BaseException) -> bool:
     """True when ``exc`` says the queue does not exist."""
     return error_code(exc) in {

@@ -163,17 +163,25 @@ class RunReport:
         return "\n".join(lines + [f"  - {o.describe()}" for o in self.runs])
 
 
-class RoundLimitReached(AssertionError):
+class RoundLimitReached(errors.OutboxError):
     """:func:`run_pending` still found due runs after ``max_rounds`` rounds.
 
-    Usually a handler that dispatches work that dispatches work again, forever.
+    Usually a handler that dispatches work that dispatches work again, forever. An
+    :class:`~sqla_outbox.errors.OutboxError` like every error the library raises (not an
+    ``AssertionError``: it reports a runaway workload, not a failed assertion, and must
+    not depend on how assertions are compiled).
 
     Attributes:
         report: What was run until then.
+        max_rounds: The limit that was reached. left: Due runs still waiting.
     """
+
+    code = "round-limit-reached"
 
     def __init__(self, report: RunReport, max_rounds: int, left: int) -> None:
         self.report = report
+        self.max_rounds = max_rounds
+        self.left = left
         super().__init__(
             f"still {left} due run(s) after {max_rounds} round(s) of run_pending; a handler may "
             f"keep dispatching follow-ups (raise max_rounds if that is expected).\n{report}"

@@ -17,9 +17,7 @@ visible at once (ChangeMessageVisibility 0). Then the process exits 0.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
-import functools
 import importlib
 import json
 import logging
@@ -35,48 +33,32 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-import sqla_outbox.maintenance  # noqa: F401  (registers maintenance.purge)
 from sqla_outbox import errors, metrics
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
-from sqla_outbox.events import install
 from sqla_outbox.logging import log_extra
 from sqla_outbox.relay import make_engine
 from sqla_outbox.sqs.client import QueueDirectory, error_code, is_missing_queue, make_client
 from sqla_outbox.types import QUEUE_NAMES
 from sqla_outbox.worker import handle as handling
 from sqla_outbox.worker.acks import AckBatcher
+from sqla_outbox.worker.flight import InFlight
 from sqla_outbox.worker.heartbeat import heartbeat_loop
 from sqla_outbox.worker.outcome import Outcomes
 from sqla_outbox.worker.receive import RECEIVE_MAX_MESSAGES, SlotPool
 from sqla_outbox.worker.registry import Registry
 from sqla_outbox.worker.registry import registry as default_registry
+from sqla_outbox.worker.runtime import Runtime, WorkerCounters
 
 logger = logging.getLogger("sqla_outbox.worker")
 T = TypeVar("T")
-
-
-@dataclasses.dataclass
-class WorkerCounters:
-    """Totals since start (the same events are Prometheus metrics)."""
-
-    received: int = 0
-    succeeded: int = 0
-    retried: int = 0
-    failed: int = 0
-    dead_lettered: int = 0
-    duplicates_skipped: int = 0
-    duplicates_held: int = 0
-    foreign: int = 0
-    returned: int = 0
-    lost_leases: int = 0
 
 
 def import_task_modules(modules: tuple[str, ...] | list[str]) -> None:
     """Import the modules whose ``@task`` decorators register the handlers.
 
     The current directory is put on ``sys.path`` first (as ``python -m`` and Celery do), so
-    ``sqla-outbox worker --imports myapp.tasks`` finds a project that is not installed.
+    ``python -m sqla_outbox.worker --imports myapp.tasks`` finds a project that is not installed.
 
     Raises:
         ConfigurationError: A module cannot be imported (names it).
@@ -117,66 +99,95 @@ class Worker:
         name: str | None = None,
     ) -> None:
         self.settings = settings
-        self.registry = registry or default_registry
-        self.worker_id = name or settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        registry = registry or default_registry
         concurrency = settings.worker_concurrency
-        self.engine = engine or make_engine(settings, pool_size=concurrency + 4)
         self._owns_engine = engine is None
+        engine = engine or make_engine(settings, pool_size=concurrency + 4)
         if catalog is None:
             path = Path(settings.catalog_path)
-            catalog = Catalog.load(path) if path.exists() else self.registry.catalog()
-        self.catalog = catalog
-        self.session_factory: sessionmaker[Session] = sessionmaker(self.engine)
-        install(self.session_factory, settings, catalog=catalog)
-        self._async_factory: Any = None
-        self._async_engine: Any = None
-        self.client = client or make_client(
-            settings,
-            max_pool_connections=concurrency + len(settings.worker_queues) * 2 + 8,
-            read_timeout_seconds=settings.worker_wait_seconds + 15,
-        )
-        self.directory = QueueDirectory(self.client, settings)
-        self.outcomes = Outcomes(self.client, self.directory, max_message_bytes=settings.max_message_bytes)
-        self.acks = AckBatcher(self.client, self.directory, self.io)
+            catalog = Catalog.load(path) if path.exists() else registry.catalog()
         self.queues = [q for q in QUEUE_NAMES if q in settings.worker_queues]
-        self.visibility: dict[str, int] = {}
+        self.runtime = Runtime(
+            settings,
+            worker_id=name or settings.worker_id or f"{socket.gethostname()}:{os.getpid()}",
+            registry=registry,
+            catalog=catalog,
+            engine=engine,
+            client=client
+            or make_client(
+                settings,
+                max_pool_connections=concurrency + len(settings.worker_queues) * 2 + 8,
+                read_timeout_seconds=settings.worker_wait_seconds + 15,
+            ),
+            io_threads=concurrency + len(self.queues) + 6,
+        )
         self.slots = SlotPool(concurrency)
-        self.in_flight: dict[int, handling.InFlight] = {}
+        self.in_flight: dict[int, InFlight] = {}
         self._polls_end: dict[str, float] = {}  # queue → monotonic end of its pending long poll
-        self.counters = WorkerCounters()
         self.ready = False
         self.stopping = False
-        self._io_pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=concurrency + len(self.queues) + 6, thread_name_prefix="sqla-outbox-io"
-        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
         self._beat_at = time.monotonic()
         self.relay: Any = None
 
-    # --- resources -----------------------------------------------------------------------
+    # --- the runtime's parts, by their old names -----------------------------------------
+    @property
+    def registry(self) -> Registry:
+        return self.runtime.registry
+
+    @property
+    def worker_id(self) -> str:
+        return self.runtime.worker_id
+
+    @property
+    def engine(self) -> Engine:
+        return self.runtime.engine
+
+    @property
+    def catalog(self) -> Catalog:
+        return self.runtime.catalog
+
+    @property
+    def client(self) -> Any:
+        return self.runtime.client
+
+    @property
+    def directory(self) -> QueueDirectory:
+        return self.runtime.directory
+
+    @property
+    def outcomes(self) -> Outcomes:
+        return self.runtime.outcomes
+
+    @property
+    def acks(self) -> AckBatcher:
+        return self.runtime.acks
+
+    @property
+    def counters(self) -> WorkerCounters:
+        return self.runtime.counters
+
+    @property
+    def visibility(self) -> dict[str, int]:
+        return self.runtime.visibility
+
+    @property
+    def session_factory(self) -> sessionmaker[Session]:
+        return self.runtime.session_factory
+
     @property
     def async_session_factory(self) -> Any:
         """``async_sessionmaker`` for async handlers (created on first use)."""
-        if self._async_factory is None:
-            from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
-
-            self._async_engine = create_async_engine(
-                self.settings.sqlalchemy_url, pool_size=self.settings.worker_concurrency, pool_pre_ping=True
-            )
-            self._async_factory = async_sessionmaker(self._async_engine)
-            install(self._async_factory, self.settings, catalog=self.catalog)
-        return self._async_factory
+        return self.runtime.async_session_factory
 
     async def io(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking call on the worker's I/O threads."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._io_pool, functools.partial(fn, *args))
+        return await self.runtime.io(fn, *args)
 
     def in_transaction(self, work: Callable[[Connection], T]) -> T:
         """Run ``work`` in its own committed transaction (blocking)."""
-        with self.engine.begin() as connection:
-            return work(connection)
+        return self.runtime.in_transaction(work)
 
     # --- control -------------------------------------------------------------------------
     def stop(self) -> None:
@@ -209,7 +220,9 @@ class Worker:
             self.relay = Relay(self.settings, name=f"{self.worker_id}/relay")
             self.relay.start_in_thread()
         receivers = [asyncio.create_task(self._receiver(q), name=f"receive-{q}") for q in self.queues]
-        heartbeat = asyncio.create_task(heartbeat_loop(self), name="heartbeat")
+        heartbeat = asyncio.create_task(
+            heartbeat_loop(self.runtime, lambda: list(self.in_flight.values())), name="heartbeat"
+        )
         ticker = asyncio.create_task(self._tick(), name="liveness")
         self.ready = True
         logger.info(
@@ -264,13 +277,13 @@ class Worker:
                     raise
                 raise errors.ConfigurationError(
                     f"queue {self.settings.queue_url_name(queue)!r} or its DLQ does not exist "
-                    f"({error_code(exc)}); run `sqla-outbox provision`",
+                    f"({error_code(exc)}); run `python -m sqla_outbox provision`",
                     option="SQLA_OUTBOX_WORKER_QUEUES",
                 ) from exc
             attributes = self.client.get_queue_attributes(
                 QueueUrl=url, AttributeNames=["VisibilityTimeout", "RedrivePolicy"]
             )["Attributes"]
-            self.visibility[queue] = int(attributes["VisibilityTimeout"])
+            self.runtime.visibility[queue] = int(attributes["VisibilityTimeout"])
             self._check_redrive(queue, attributes.get("RedrivePolicy"))
 
     def _check_redrive(self, queue: str, redrive_policy: str | None) -> None:
@@ -299,7 +312,7 @@ class Worker:
                     f"queue {self.settings.queue_url_name(queue)!r} has redrive maxReceiveCount "
                     f"{limit}, but task {definition.name!r} decides on receive {receives}: SQS would "
                     "dead-letter its messages before the worker records a verdict; raise the "
-                    "queue's maxReceiveCount (`sqla-outbox provision --max-receive-count N --fix`) "
+                    "queue's maxReceiveCount (`python -m sqla_outbox provision --max-receive-count N --fix`) "
                     "or lower max_receives",
                     option="SQLA_OUTBOX_WORKER_MAX_RECEIVES",
                 )
@@ -376,7 +389,7 @@ class Worker:
             receive_count = int(attributes.get("ApproximateReceiveCount", "1"))
         except ValueError:
             receive_count = 1
-        flight = handling.InFlight(
+        flight = InFlight(
             queue=queue,
             message_id=str(message.get("MessageId", "")),
             receipt_handle=str(message.get("ReceiptHandle", "")),
@@ -391,9 +404,9 @@ class Worker:
         else:
             flight.task = asyncio.create_task(self._handle(key, flight))
 
-    async def _handle(self, key: int, flight: handling.InFlight) -> None:
+    async def _handle(self, key: int, flight: InFlight) -> None:
         try:
-            await handling.handle_message(self, flight)
+            await handling.handle_message(self.runtime, flight)
         except asyncio.CancelledError:
             await self._give_back_safely(flight, "worker shutdown")
             raise
@@ -408,16 +421,18 @@ class Worker:
             self.in_flight.pop(key, None)
             self.slots.release(1)
 
-    async def _give_back(self, key: int, flight: handling.InFlight) -> None:
+    async def _give_back(self, key: int, flight: InFlight) -> None:
         try:
             await self._give_back_safely(flight, "received during shutdown")
         finally:
             self.in_flight.pop(key, None)
             self.slots.release(1)
 
-    async def _give_back_safely(self, flight: handling.InFlight, reason: str) -> None:
+    async def _give_back_safely(self, flight: InFlight, reason: str) -> None:
+        # while stopping, out of reach of this worker's own pending long poll on the queue
+        hide = self.own_poll_seconds_left(flight.queue) if self.stopping else 0.0
         try:
-            await asyncio.shield(handling.give_back(self, flight, reason=reason))
+            await asyncio.shield(handling.give_back(self.runtime, flight, reason=reason, hide_seconds=hide))
         except Exception:
             logger.exception("could not return a message", extra=log_extra(action="worker.return_failed"))
 
@@ -464,8 +479,6 @@ class Worker:
         logger.info(
             "worker stopped", extra=log_extra(action="worker.stopped", **dataclasses.asdict(self.counters))
         )
-        self._io_pool.shutdown(wait=False)
-        if self._async_engine is not None:
-            await self._async_engine.dispose()
+        await self.runtime.close()
         if self._owns_engine:
             self.engine.dispose()

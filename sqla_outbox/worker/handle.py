@@ -27,48 +27,23 @@ the run's state and finishes the job (acknowledges, or completes the DLQ send).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import threading
 import time
 import traceback as tb
-import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqla_outbox import envelope, errors, metrics, tracing
 from sqla_outbox.logging import log_extra, short_handle
 from sqla_outbox.worker import execute, runs
-from sqla_outbox.worker.context import TaskContext
+from sqla_outbox.worker.flight import InFlight
 from sqla_outbox.worker.outcome import backoff_seconds, utc_now_text
 from sqla_outbox.worker.registry import TaskDefinition
-
-if TYPE_CHECKING:
-    from sqla_outbox.worker.consumer import Worker
+from sqla_outbox.worker.runtime import Runtime
 
 logger = logging.getLogger("sqla_outbox.worker")
-
-
-@dataclasses.dataclass
-class InFlight:
-    """A received message the worker is working on."""
-
-    queue: str
-    message_id: str
-    receipt_handle: str
-    receive_count: int
-    body: str
-    attributes: dict[str, Any]
-    received_at: float = dataclasses.field(default_factory=time.monotonic)
-    extended_at: float = dataclasses.field(default_factory=time.monotonic)
-    run_id: uuid.UUID | None = None
-    task_name: str | None = None
-    attempt: int = 0
-    ctx: TaskContext | None = None
-    task: asyncio.Task[None] | None = None
-    leased: bool = False
-    verdict: str | None = None
 
 
 class _TimedOut(Exception):
@@ -118,34 +93,36 @@ def _run_in_thread(fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
     return future
 
 
-async def handle_message(worker: Worker, flight: InFlight) -> None:
+async def handle_message(runtime: Runtime, flight: InFlight) -> None:
     """Take one message to a verdict (see the module docstring)."""
-    keys = worker.settings.signing_keys
+    keys = runtime.settings.signing_keys
     if keys:
         signature = flight.attributes.get(envelope.SIGNATURE_ATTRIBUTE, {}).get("StringValue")
         if not envelope.signature_valid(flight.body, signature, keys):
             await _dead_letter_foreign(
-                worker,
+                runtime,
                 flight,
                 reason="bad-signature",
                 detail="missing or invalid signature: not sent by our relay",
             )
             return
     try:
-        env = envelope.decode(flight.body, max_bytes=worker.settings.max_message_bytes)
+        env = envelope.decode(flight.body, max_bytes=runtime.settings.max_message_bytes)
     except envelope.MalformedEnvelope as exc:
-        await _dead_letter_foreign(worker, flight, reason=f"malformed-envelope:{exc.reason}", detail=str(exc))
+        await _dead_letter_foreign(
+            runtime, flight, reason=f"malformed-envelope:{exc.reason}", detail=str(exc)
+        )
         return
     flight.run_id, flight.task_name = env.run_id, env.task
-    claim = await worker.io(
-        worker.in_transaction,
+    claim = await runtime.io(
+        runtime.in_transaction,
         lambda conn: runs.take_lease(
             conn,
             run_id=env.run_id,
             task=env.task,
             tenant_id=env.tenant_id,
-            worker_id=worker.worker_id,
-            lease_seconds=worker.visibility[flight.queue],
+            worker_id=runtime.worker_id,
+            lease_seconds=runtime.visibility[flight.queue],
             receive_count=flight.receive_count,
             document=env.encode(),
         ),
@@ -153,12 +130,12 @@ async def handle_message(worker: Worker, flight: InFlight) -> None:
     status = claim.status
     if status is runs.ClaimStatus.NOT_FOUND:
         await _dead_letter_foreign(
-            worker, flight, reason="unknown-run", detail="no task_runs row for this run_id"
+            runtime, flight, reason="unknown-run", detail="no task_runs row for this run_id"
         )
         return
     if status is runs.ClaimStatus.MISMATCH:
         await _dead_letter_foreign(
-            worker,
+            runtime,
             flight,
             reason="envelope-mismatch",
             detail="the run exists, but this is not the envelope the relay sent "
@@ -166,7 +143,7 @@ async def handle_message(worker: Worker, flight: InFlight) -> None:
         )
         return
     if status is runs.ClaimStatus.SUCCEEDED:
-        worker.counters.duplicates_skipped += 1
+        runtime.counters.duplicates_skipped += 1
         _log(
             logging.INFO,
             "copy of a finished run acknowledged",
@@ -174,17 +151,17 @@ async def handle_message(worker: Worker, flight: InFlight) -> None:
             flight,
             status="succeeded",
         )
-        worker.acks.ack_soon(flight.queue, flight.receipt_handle)
+        runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
         return
     if status is runs.ClaimStatus.FAILED:
         if claim.dead_lettered:
-            worker.counters.duplicates_skipped += 1
-            worker.acks.ack_soon(flight.queue, flight.receipt_handle)
+            runtime.counters.duplicates_skipped += 1
+            runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
         else:  # the permanent path was interrupted after `failed`: finish it
-            await _send_to_dlq(worker, flight, reason="completed-after-interruption", failure=None)
+            await _send_to_dlq(runtime, flight, reason="completed-after-interruption", failure=None)
         return
     if status is runs.ClaimStatus.LEASED:
-        worker.counters.duplicates_held += 1
+        runtime.counters.duplicates_held += 1
         hide = min(claim.lease_remaining_seconds + 2, 43_000)
         _log(
             logging.INFO,
@@ -193,29 +170,29 @@ async def handle_message(worker: Worker, flight: InFlight) -> None:
             flight,
             hide_s=hide,
         )
-        await worker.io(worker.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
+        await runtime.io(runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
         return
 
     flight.attempt, flight.leased = claim.attempt, True
-    attempt = runs.Attempt(env.run_id, claim.attempt, flight.receive_count, worker.worker_id)
+    attempt = runs.Attempt(env.run_id, claim.attempt, flight.receive_count, runtime.worker_id)
     try:
-        definition = worker.registry.get(env.task)
+        definition = runtime.registry.get(env.task)
     except errors.HandlerNotFound as missing:
-        await _fail(worker, flight, attempt, missing, reason="unknown-task", trace=None)
+        await _fail(runtime, flight, attempt, missing, reason="unknown-task", trace=None)
         return
-    limit = definition.effective_max_receives(worker.settings.worker_max_receives)
+    limit = definition.effective_max_receives(runtime.settings.worker_max_receives)
     if flight.receive_count > limit:
         exhausted = errors.PermanentError(
             f"delivered {flight.receive_count} times without a verdict (limit {limit}); "
             "earlier attempts were lost (worker crash or kill)"
         )
-        await _fail(worker, flight, attempt, exhausted, reason="receive-limit", trace=None)
+        await _fail(runtime, flight, attempt, exhausted, reason="receive-limit", trace=None)
         return
-    await _execute(worker, flight, env, definition, attempt, limit)
+    await _execute(runtime, flight, env, definition, attempt, limit)
 
 
 async def _execute(
-    worker: Worker,
+    runtime: Runtime,
     flight: InFlight,
     env: envelope.Envelope,
     definition: TaskDefinition,
@@ -232,11 +209,11 @@ async def _execute(
     try:
         with tracing.handler_span(f"{env.task} process", env.trace, span_attributes):
             if definition.is_async:
-                runner = execute.run_async(worker.async_session_factory, definition, payload, ctx, attempt)
+                runner = execute.run_async(runtime.async_session_factory, definition, payload, ctx, attempt)
                 await _with_timeout(runner, timeout)
             else:
                 future = _run_in_thread(
-                    lambda: execute.run_sync(worker.session_factory, definition, payload, ctx, attempt),
+                    lambda: execute.run_sync(runtime.session_factory, definition, payload, ctx, attempt),
                     name=f"task-{env.task}",
                 )
                 await _with_timeout(asyncio.shield(future), timeout)
@@ -244,29 +221,31 @@ async def _execute(
         ctx.cancel_event.set()
         assert timeout is not None
         await _transient(
-            worker, flight, attempt, errors.AttemptTimeout(timeout), limit, definition, trace=None
+            runtime, flight, attempt, errors.AttemptTimeout(timeout), limit, definition, trace=None
         )
         return
     except asyncio.CancelledError:
         ctx.cancel_event.set()
         raise
     except execute.LeaseLost:
-        await _reconcile_lost(worker, flight)
+        await _reconcile_lost(runtime, flight)
         return
     except errors.Retry as exc:
-        await _transient(worker, flight, attempt, exc, limit, definition, trace=None, delay=exc.delay_seconds)
+        await _transient(
+            runtime, flight, attempt, exc, limit, definition, trace=None, delay=exc.delay_seconds
+        )
         return
     except Exception as exc:
         trace = "".join(tb.format_exception(exc))
         if definition.is_permanent(exc):
-            await _fail(worker, flight, attempt, exc, reason="permanent-error", trace=trace)
+            await _fail(runtime, flight, attempt, exc, reason="permanent-error", trace=trace)
         else:
-            await _transient(worker, flight, attempt, exc, limit, definition, trace=trace)
+            await _transient(runtime, flight, attempt, exc, limit, definition, trace=trace)
         return
     finally:
         metrics.HANDLER_SECONDS.labels(env.task).observe(time.perf_counter() - started)
     flight.verdict = "succeeded"
-    worker.counters.succeeded += 1
+    runtime.counters.succeeded += 1
     metrics.RUNS_FINISHED.labels(env.task, "succeeded").inc()
     _log(
         logging.INFO,
@@ -276,11 +255,11 @@ async def _execute(
         attempt=attempt.attempt,
         duration_ms=round((time.perf_counter() - started) * 1000, 2),
     )
-    worker.acks.ack_soon(flight.queue, flight.receipt_handle)
+    runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
 
 
 async def _transient(
-    worker: Worker,
+    runtime: Runtime,
     flight: InFlight,
     attempt: runs.Attempt,
     exc: BaseException,
@@ -291,7 +270,7 @@ async def _transient(
     delay: float | None = None,
 ) -> None:
     if flight.receive_count >= limit:
-        await _fail(worker, flight, attempt, exc, reason="retries-exhausted", trace=trace)
+        await _fail(runtime, flight, attempt, exc, reason="retries-exhausted", trace=trace)
         return
     base = definition.retry.backoff_base_seconds
     cap = definition.retry.backoff_max_seconds
@@ -299,20 +278,20 @@ async def _transient(
     if seconds is None:
         seconds = backoff_seconds(
             flight.receive_count,
-            base=worker.settings.worker_backoff_base_seconds if base is None else base,
-            cap=worker.settings.worker_backoff_max_seconds if cap is None else cap,
+            base=runtime.settings.worker_backoff_base_seconds if base is None else base,
+            cap=runtime.settings.worker_backoff_max_seconds if cap is None else cap,
             elapsed_since_receive=time.monotonic() - flight.received_at,
         )
     failure = runs.Failure.from_exception(exc, trace)
-    moved = await worker.io(
-        worker.in_transaction,
+    moved = await runtime.io(
+        runtime.in_transaction,
         lambda conn: runs.mark_retrying(conn, attempt, failure, backoff_seconds=seconds),
     )
     if not moved:
-        await _reconcile_lost(worker, flight)
+        await _reconcile_lost(runtime, flight)
         return
     flight.verdict = "retrying"
-    worker.counters.retried += 1
+    runtime.counters.retried += 1
     metrics.RUNS_FINISHED.labels(attempt_task(flight), "retrying").inc()
     _log(
         logging.WARNING,
@@ -323,11 +302,11 @@ async def _transient(
         error_type=failure.error_type,
         backoff_s=round(seconds, 2),
     )
-    await worker.io(worker.outcomes.retry_after, flight.queue, flight.receipt_handle, seconds)
+    await runtime.io(runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, seconds)
 
 
 async def _fail(
-    worker: Worker,
+    runtime: Runtime,
     flight: InFlight,
     attempt: runs.Attempt,
     exc: BaseException,
@@ -336,14 +315,14 @@ async def _fail(
     trace: str | None,
 ) -> None:
     failure = runs.Failure.from_exception(exc, trace)
-    moved = await worker.io(
-        worker.in_transaction, lambda conn: runs.mark_failed(conn, attempt, failure, reason=reason)
+    moved = await runtime.io(
+        runtime.in_transaction, lambda conn: runs.mark_failed(conn, attempt, failure, reason=reason)
     )
     if not moved:
-        await _reconcile_lost(worker, flight)
+        await _reconcile_lost(runtime, flight)
         return
     flight.verdict = "failed"
-    worker.counters.failed += 1
+    runtime.counters.failed += 1
     metrics.RUNS_FINISHED.labels(attempt_task(flight), "failed").inc()
     _log(
         logging.ERROR,
@@ -354,11 +333,11 @@ async def _fail(
         error_type=failure.error_type,
         reason=reason,
     )
-    await _send_to_dlq(worker, flight, reason=reason, failure=failure)
+    await _send_to_dlq(runtime, flight, reason=reason, failure=failure)
 
 
 async def _send_to_dlq(
-    worker: Worker, flight: InFlight, *, reason: str, failure: runs.Failure | None
+    runtime: Runtime, flight: InFlight, *, reason: str, failure: runs.Failure | None
 ) -> None:
     context = {
         "reason": reason,
@@ -367,10 +346,10 @@ async def _send_to_dlq(
         "failed_at": utc_now_text(),
         "receive_count": str(flight.receive_count),
         "source_queue": flight.queue,
-        "worker_id": worker.worker_id,
+        "worker_id": runtime.worker_id,
     }
-    dlq = await worker.io(
-        worker.outcomes.dead_letter,
+    dlq = await runtime.io(
+        runtime.outcomes.dead_letter,
         flight.queue,
         flight.receipt_handle,
         flight.body,
@@ -378,24 +357,24 @@ async def _send_to_dlq(
         context,
     )
     metrics.DLQ_SENDS.labels(flight.queue, reason).inc()
-    worker.counters.dead_lettered += 1
+    runtime.counters.dead_lettered += 1
     if flight.run_id is not None:
         run_id = flight.run_id
-        await worker.io(
-            worker.in_transaction,
+        await runtime.io(
+            runtime.in_transaction,
             lambda conn: runs.mark_dead_lettered(
                 conn,
                 run_id,
                 receive_count=flight.receive_count,
-                worker_id=worker.worker_id,
+                worker_id=runtime.worker_id,
                 dlq=dlq.rsplit("/", 1)[-1],
             ),
         )
 
 
-async def _dead_letter_foreign(worker: Worker, flight: InFlight, *, reason: str, detail: str) -> None:
+async def _dead_letter_foreign(runtime: Runtime, flight: InFlight, *, reason: str, detail: str) -> None:
     """A message that is not one of our runs: DLQ with the reason, never executed."""
-    worker.counters.foreign += 1
+    runtime.counters.foreign += 1
     _log(
         logging.WARNING,
         "foreign or malformed message sent to the DLQ",
@@ -409,10 +388,10 @@ async def _dead_letter_foreign(worker: Worker, flight: InFlight, *, reason: str,
         "failed_at": utc_now_text(),
         "receive_count": str(flight.receive_count),
         "source_queue": flight.queue,
-        "worker_id": worker.worker_id,
+        "worker_id": runtime.worker_id,
     }
-    await worker.io(
-        worker.outcomes.dead_letter,
+    await runtime.io(
+        runtime.outcomes.dead_letter,
         flight.queue,
         flight.receipt_handle,
         flight.body,
@@ -422,35 +401,39 @@ async def _dead_letter_foreign(worker: Worker, flight: InFlight, *, reason: str,
     metrics.DLQ_SENDS.labels(flight.queue, reason.split(":")[0]).inc()
 
 
-async def _reconcile_lost(worker: Worker, flight: InFlight) -> None:
+async def _reconcile_lost(runtime: Runtime, flight: InFlight) -> None:
     """The attempt's transition matched nothing: act on the run's real status."""
     assert flight.run_id is not None
     run_id = flight.run_id
-    status = await worker.io(worker.in_transaction, lambda conn: runs.current_status(conn, run_id))
-    worker.counters.lost_leases += 1
+    status = await runtime.io(runtime.in_transaction, lambda conn: runs.current_status(conn, run_id))
+    runtime.counters.lost_leases += 1
     _log(logging.WARNING, "attempt lost the run; reconciling", "worker.lease_lost", flight, status=status)
     if status == "succeeded":
-        worker.acks.ack_soon(flight.queue, flight.receipt_handle)
+        runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
     # otherwise another attempt owns the run, or its verdict is recorded and this copy
     # comes back later and is handled by what the run says then
 
 
-async def give_back(worker: Worker, flight: InFlight, *, reason: str) -> None:
-    """Return a message at once; an attempt in progress puts its run back to ``queued``."""
+async def give_back(runtime: Runtime, flight: InFlight, *, reason: str, hide_seconds: float = 0.0) -> None:
+    """Return a message; an attempt in progress puts its run back to ``queued``.
+
+    Args:
+        hide_seconds: How long the message stays hidden (0: visible at once). A stopping
+            worker passes what is left of its own pending long poll on the queue, so that
+            poll cannot take the message back (SQS counts every receive toward redrive).
+    """
     if flight.leased and flight.verdict is None and flight.run_id is not None:
-        attempt = runs.Attempt(flight.run_id, flight.attempt, flight.receive_count, worker.worker_id)
-        moved = await worker.io(
-            worker.in_transaction, lambda conn: runs.mark_requeued(conn, attempt, reason=reason)
+        attempt = runs.Attempt(flight.run_id, flight.attempt, flight.receive_count, runtime.worker_id)
+        moved = await runtime.io(
+            runtime.in_transaction, lambda conn: runs.mark_requeued(conn, attempt, reason=reason)
         )
         if not moved:
-            await _reconcile_lost(worker, flight)
+            await _reconcile_lost(runtime, flight)
             return
         metrics.RUNS_FINISHED.labels(attempt_task(flight), "queued").inc()
     if flight.verdict is None:
-        worker.counters.returned += 1
-        # while stopping, out of reach of this worker's own pending long poll on the queue
-        left = worker.own_poll_seconds_left(flight.queue) if worker.stopping else 0.0
-        hide = math.ceil(left) + 1 if left > 0 else 0
+        runtime.counters.returned += 1
+        hide = math.ceil(hide_seconds) + 1 if hide_seconds > 0 else 0
         _log(
             logging.INFO,
             "message returned to the queue",
@@ -459,7 +442,7 @@ async def give_back(worker: Worker, flight: InFlight, *, reason: str) -> None:
             reason=reason,
             hide_s=hide,
         )
-        await worker.io(worker.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
+        await runtime.io(runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
 
 
 def attempt_task(flight: InFlight) -> str:

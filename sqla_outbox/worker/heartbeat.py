@@ -14,16 +14,14 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
 from sqla_outbox import metrics
 from sqla_outbox.logging import log_extra
 from sqla_outbox.sqs.client import SQS_MAX_BATCH_ENTRIES, error_code
 from sqla_outbox.worker import runs
-
-if TYPE_CHECKING:
-    from sqla_outbox.worker.consumer import Worker
-    from sqla_outbox.worker.handle import InFlight
+from sqla_outbox.worker.flight import InFlight
+from sqla_outbox.worker.runtime import Runtime
 
 logger = logging.getLogger("sqla_outbox.worker")
 
@@ -33,12 +31,20 @@ def due(flights: list[InFlight], visibility: dict[str, int], now: float) -> list
     return [f for f in flights if f.verdict is None and now - f.extended_at >= visibility[f.queue] / 3]
 
 
-async def heartbeat_loop(worker: Worker, *, interval_seconds: float = 1.0) -> None:
-    """Run until cancelled."""
+async def heartbeat_loop(
+    runtime: Runtime, flights: Callable[[], Iterable[InFlight]], *, interval_seconds: float = 1.0
+) -> None:
+    """Run until cancelled.
+
+    Args:
+        runtime: The worker's resources (SQS client, queue visibility, the run store).
+        flights: Returns the messages in flight now.
+        interval_seconds: Time between beats.
+    """
     while True:
         await asyncio.sleep(interval_seconds)
         try:
-            await beat(worker)
+            await beat(runtime, list(flights()))
         except Exception as exc:
             logger.warning(
                 "heartbeat failed",
@@ -46,10 +52,10 @@ async def heartbeat_loop(worker: Worker, *, interval_seconds: float = 1.0) -> No
             )
 
 
-async def beat(worker: Worker) -> None:
+async def beat(runtime: Runtime, in_flight: list[InFlight]) -> None:
     """Extend what is due once."""
     now = time.monotonic()
-    flights = due(list(worker.in_flight.values()), worker.visibility, now)
+    flights = due(in_flight, runtime.visibility, now)
     if not flights:
         return
     by_queue: dict[str, list[InFlight]] = {}
@@ -58,7 +64,7 @@ async def beat(worker: Worker) -> None:
     for queue, group in by_queue.items():
         for start in range(0, len(group), SQS_MAX_BATCH_ENTRIES):
             chunk = group[start : start + SQS_MAX_BATCH_ENTRIES]
-            failed = await worker.io(_extend_visibility, worker, queue, chunk)
+            failed = await runtime.io(_extend_visibility, runtime, queue, chunk)
             for flight in chunk:
                 if flight.message_id not in failed:
                     flight.extended_at = now
@@ -68,10 +74,10 @@ async def beat(worker: Worker) -> None:
     if not leased:
         return
     held_pairs: list[tuple[uuid.UUID, int]] = [(f.run_id, f.attempt) for f in leased if f.run_id is not None]
-    lease_seconds = {f.run_id: float(worker.visibility[f.queue]) for f in leased}
+    lease_seconds = {f.run_id: float(runtime.visibility[f.queue]) for f in leased}
     longest = max(lease_seconds.values())
-    still_held = await worker.io(
-        worker.in_transaction, lambda conn: runs.renew_leases(conn, held_pairs, lease_seconds=longest)
+    still_held = await runtime.io(
+        runtime.in_transaction, lambda conn: runs.renew_leases(conn, held_pairs, lease_seconds=longest)
     )
     for flight in leased:
         if flight.run_id not in still_held and flight.verdict is None and flight.ctx is not None:
@@ -83,16 +89,16 @@ async def beat(worker: Worker) -> None:
             )
 
 
-def _extend_visibility(worker: Worker, queue: str, flights: list[InFlight]) -> set[str]:
+def _extend_visibility(runtime: Runtime, queue: str, flights: list[InFlight]) -> set[str]:
     """ChangeMessageVisibilityBatch; returns the message ids that failed."""
     try:
-        response = worker.client.change_message_visibility_batch(
-            QueueUrl=worker.directory.url(queue),
+        response = runtime.client.change_message_visibility_batch(
+            QueueUrl=runtime.directory.url(queue),
             Entries=[
                 {
                     "Id": str(i),
                     "ReceiptHandle": f.receipt_handle,
-                    "VisibilityTimeout": worker.visibility[queue],
+                    "VisibilityTimeout": runtime.visibility[queue],
                 }
                 for i, f in enumerate(flights)
             ],

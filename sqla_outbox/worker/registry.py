@@ -16,7 +16,7 @@
 A handler takes the payload, or the payload and a :class:`~sqla_outbox.worker.context.
 TaskContext`. Sync handlers run on their own thread; ``async def`` handlers run on the
 worker's event loop. The registry also produces the catalog (``tasks.json``) that the
-API side reads: ``sqla-outbox catalog write``.
+API side reads: ``python -m sqla_outbox catalog write``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from sqla_outbox import errors
+from sqla_outbox import errors, maintenance
 from sqla_outbox.catalog import Catalog, Scope, TaskSpec
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.types import QUEUE_NAMES
@@ -126,10 +126,35 @@ class TaskDefinition:
 
 
 class Registry:
-    """Task name → :class:`TaskDefinition`. The module-level :data:`registry` is the default."""
+    """Task name → :class:`TaskDefinition`. The module-level :data:`registry` is the default.
+
+    ``Registry()`` starts empty (tests that want an exact set of tasks);
+    :meth:`with_builtins` adds sqla_outbox's own tasks (``maintenance.purge``), as the
+    default registry does.
+    """
 
     def __init__(self) -> None:
         self.tasks: dict[str, TaskDefinition] = {}
+
+    @classmethod
+    def with_builtins(cls) -> Registry:
+        """A registry holding sqla_outbox's built-in tasks (:data:`sqla_outbox.maintenance.
+        BUILTIN_HANDLERS`), registered with their catalog options."""
+        registry = cls()
+        registry.register_builtins()
+        return registry
+
+    def register_builtins(self) -> None:
+        """Register sqla_outbox's built-in tasks (idempotent)."""
+        for spec, handler in maintenance.BUILTIN_HANDLERS.values():
+            self.task(
+                spec.name,
+                queue=spec.queue,
+                scope=spec.scope,
+                timeout_seconds=spec.timeout_seconds,
+                schedule=spec.schedule,
+                description=spec.description,
+            )(handler)
 
     def task(
         self,
@@ -240,10 +265,8 @@ class Registry:
                 ``async def`` handler is registered but greenlet, which SQLAlchemy's
                 asyncio support needs, cannot be imported.
         """
-        from sqla_outbox.maintenance import BUILTIN_TASKS
-
         queues = tuple(queues)
-        own = [d for d in self.tasks.values() if d.name not in BUILTIN_TASKS]
+        own = [d for d in self.tasks.values() if d.name not in maintenance.BUILTIN_TASKS]
         if not own and any(queue != "maintenance" for queue in queues):
             raise errors.ConfigurationError(
                 "no task handlers are registered: name your task modules (e.g. --imports "
@@ -290,7 +313,7 @@ class Registry:
         return Catalog.build([d.spec() for d in self.tasks.values()], events)
 
 
-registry = Registry()
-"""The default registry that :func:`task` registers into."""
+registry = Registry.with_builtins()
+"""The default registry that :func:`task` registers into (built-in tasks included)."""
 
 task = registry.task

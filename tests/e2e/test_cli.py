@@ -224,7 +224,7 @@ def test_commands_on_an_unmigrated_database_say_to_migrate(
 ) -> None:
     env = service_env(settings.replace(database_url=empty_database), sqs_endpoint)
     expected = (
-        f"error: the outbox tables are missing in {redact_url(empty_database)}: run `sqla-outbox migrate`"
+        f"error: the outbox tables are missing in {redact_url(empty_database)}: run `python -m sqla_outbox migrate`"
     )
     for command in (
         ("status",),

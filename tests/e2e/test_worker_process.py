@@ -381,4 +381,4 @@ def test_worker_started_while_sqs_is_down_waits_and_then_works(
 def test_worker_refuses_to_start_without_its_queues(settings: OutboxSettings, sqs_endpoint: str) -> None:
     worker = start_worker(settings.replace(queue_prefix="never-provisioned-"), sqs_endpoint)
     assert worker.process.wait(60) == 2
-    assert "does not exist" in worker.output() and "sqla-outbox provision" in worker.output()
+    assert "does not exist" in worker.output() and "python -m sqla_outbox provision" in worker.output()

@@ -557,6 +557,9 @@ def test_endless_follow_ups_stop_at_max_rounds(app: sessionmaker[Session], engin
     with pytest.raises(testing.RoundLimitReached, match=r"still 1 due run\(s\) after 3 round\(s\)") as caught:
         testing.run_pending(app, registry=_looping_registry(), max_rounds=3)
     assert [o.payload for o in caught.value.report.runs] == [{"n": 0}, {"n": 1}, {"n": 2}]
+    assert (caught.value.max_rounds, caught.value.left) == (3, 1)
+    # a library error like every other, not an assertion (python -O must not change it)
+    assert isinstance(caught.value, errors.OutboxError) and not isinstance(caught.value, AssertionError)
 
 
 def test_a_finished_run_is_not_executed_again(

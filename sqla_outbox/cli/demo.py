@@ -41,11 +41,12 @@ from typing import Any
 
 import click
 
-from sqla_outbox.cli import EXIT_CHECK_FAILED, EXIT_CONFIG, EXIT_OK, main, styled
-from sqla_outbox.cli import console as make_console
+from sqla_outbox.cli.options import EXIT_CHECK_FAILED, EXIT_CONFIG, EXIT_OK
+from sqla_outbox.cli.terminal import console as make_console
+from sqla_outbox.cli.terminal import styled
 from sqla_outbox.config import OutboxSettings, redact_url
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 SHOP = REPO_ROOT / "examples" / "shop"
 EXPECTED_RUNS_PER_ORDER = 4  # send_receipt, notify_warehouse, award_loyalty, ask_for_review
 
@@ -82,7 +83,7 @@ def expected_status(task: str, payload: dict[str, Any]) -> str:
     return "succeeded"
 
 
-@main.command("demo")
+@click.command("demo")
 @click.option("--orders", default=30, show_default=True, help="Orders to place.")
 @click.option(
     "--database-name",
@@ -249,15 +250,15 @@ def _sqs(stack: contextlib.ExitStack, console: Any) -> str:
 
 
 def _valkey(console: Any) -> str | None:
-    import redis
+    from sqla_outbox import wakeup
 
     url = OutboxSettings.from_env().valkey_url
     if url is None:
         _header(console, "Valkey", "not configured", "the relay finds work by sweeping")
         return None
     try:
-        redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2).ping()
-    except redis.RedisError:
+        wakeup.ping(url, timeout_seconds=2)
+    except Exception:
         _header(
             console,
             "Valkey",

@@ -1,0 +1,208 @@
+"""``python -m sqla_outbox dlq list|requeue``: dead-lettered messages, and requeueing failed runs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from sqla_outbox.cli.options import (
+    EXIT_CHECK_FAILED,
+    QUEUE_CHOICE,
+    common_options,
+    duration,
+    handle_errors,
+    json_option,
+    load_settings,
+    outbox_connection,
+    outbox_engine,
+    setup_logging,
+    sqs_client,
+)
+from sqla_outbox.cli.terminal import console, jsonable, print_json, styled, table, text
+from sqla_outbox.ops.durations import format_age
+
+
+def _dlq_filter_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    for decorator in reversed(
+        [
+            click.option("--task", "tasks", multiple=True, help="Only this task (repeatable)."),
+            click.option(
+                "--queue",
+                "queues",
+                multiple=True,
+                type=QUEUE_CHOICE,
+                help="Only this queue's DLQ (repeatable).",
+            ),
+            click.option(
+                "--older-than",
+                callback=duration,
+                metavar="DURATION",
+                help="Only messages dead-lettered longer ago (10m, 2h, 7d).",
+            ),
+        ]
+    ):
+        func = decorator(func)
+    return func
+
+
+@click.group("dlq")
+def dlq_group() -> None:
+    """Dead-letter queues: list their messages, requeue failed runs."""
+
+
+@dlq_group.command("list")
+@common_options
+@_dlq_filter_options
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=200, show_default=True, help="Most messages shown."
+)
+@json_option
+def dlq_list_command(
+    verbose: int,
+    log_format: str,
+    traceback: bool,
+    tasks: tuple[str, ...],
+    queues: tuple[str, ...],
+    older_than: dt.timedelta | None,
+    limit: int,
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """List DLQ messages: run, task, tenant, reason, error type and age; never payloads.
+
+    Messages are received with a 30 s visibility and made visible again at the end;
+    nothing is deleted. The run's current status is read from the database.
+    """
+    setup_logging(verbose, log_format)
+    with handle_errors(traceback):
+        from sqla_outbox.ops import dlq
+
+        settings = load_settings(**options)
+        filters = dlq.DeadLetterFilter(tasks=tasks, queues=queues, older_than=older_than)
+        with outbox_connection(settings) as connection:
+            listing = dlq.list_dead_letters(
+                sqs_client(settings), settings, filters, connection=connection, limit=limit
+            )
+        if as_json:
+            print_json(jsonable(listing))
+            return
+        shown = table(
+            f"DLQ messages ({len(listing.letters)}{', truncated' if listing.truncated else ''})",
+            ("queue", "run_id", "task", "tenant", "reason", "error type", "age", "run status"),
+        )
+        for x in listing.letters:
+            shown.add_row(
+                x.queue,
+                text(x.run_id),
+                text(x.task),
+                text(x.tenant_id),
+                x.reason,
+                text(x.error_type),
+                format_age(x.age_seconds),
+                text(x.run_status),
+            )
+        out = console()
+        out.print(shown)
+        for name in listing.missing_queues:
+            out.print(styled(f"missing DLQ {name} (run `python -m sqla_outbox provision`)", "yellow"))
+
+
+@dlq_group.command("requeue")
+@common_options
+@_dlq_filter_options
+@click.option(
+    "--run-id",
+    "run_ids",
+    multiple=True,
+    type=click.UUID,
+    help="Only this run (repeatable); found in the DLQs, or requeued from the database when its "
+    "DLQ message is gone.",
+)
+@click.option(
+    "--all", "select_all", is_flag=True, help="Requeue every failed run in the DLQs (no other filter needed)."
+)
+@click.option("--dry-run", is_flag=True, help="Decide and report; change nothing.")
+@json_option
+def dlq_requeue_command(
+    verbose: int,
+    log_format: str,
+    traceback: bool,
+    tasks: tuple[str, ...],
+    queues: tuple[str, ...],
+    older_than: dt.timedelta | None,
+    run_ids: tuple[uuid.UUID, ...],
+    select_all: bool,
+    dry_run: bool,
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """Put failed runs back to queued through the outbox, then delete their DLQ messages.
+
+    Only runs whose status is `failed` are requeued; others are reported as skipped
+    with the reason. Give at least one filter, or --all. Exit code 1 when a --run-id
+    was not requeued.
+    """
+    setup_logging(verbose, log_format)
+    if not (tasks or queues or older_than or run_ids or select_all):
+        raise click.UsageError("give --task, --queue, --older-than or --run-id to choose runs, or --all")
+    with handle_errors(traceback):
+        from sqla_outbox.ops import dlq, requeue
+        from sqla_outbox.wakeup import Waker
+
+        settings = load_settings(**options)
+        filters = dlq.DeadLetterFilter(
+            tasks=tasks, queues=queues, older_than=older_than, run_ids=frozenset(run_ids)
+        )
+        waker = None if dry_run else Waker(settings)
+        try:
+            with outbox_engine(settings) as engine:
+                report = requeue.requeue(
+                    engine, sqs_client(settings), settings, filters, dry_run=dry_run, waker=waker
+                )
+        finally:
+            if waker is not None:
+                waker.close()
+        if as_json:
+            document = jsonable(report)
+            document.update(requeued=report.requeued, skipped=report.skipped)
+            print_json(document)
+        else:
+            _render_requeue(report)
+        selected = {item.run_id for item in report.items if item.selected}
+        if any(run_id not in selected for run_id in run_ids):
+            sys.exit(EXIT_CHECK_FAILED)
+
+
+def _render_requeue(report: Any) -> None:
+    out = console()
+    verb = "would requeue" if report.dry_run else "requeued"
+    shown = table(
+        f"DLQ requeue{' (dry run: nothing changed)' if report.dry_run else ''}",
+        ("run_id", "task", "queue", "tenant", "action", "outbox", "DLQ copies", "reason"),
+    )
+    for item in report.items:
+        action = item.action if item.selected else styled(item.action, "yellow")
+        copies = f"{item.dlq_deleted}/{len(item.dlq_message_ids)} deleted" if item.dlq_message_ids else "-"
+        why = f"{item.reason}: {item.detail}" if item.reason else "-"
+        shown.add_row(
+            text(item.run_id),
+            text(item.task),
+            text(item.queue),
+            text(item.tenant_id),
+            action,
+            text(item.outbox),
+            copies,
+            why,
+        )
+    out.print(shown)
+    wake = ""
+    if report.requeued and not report.dry_run:  # the note is about the runs just requeued
+        wake = " (relay woken)" if report.woke else " (the relay's sweep will send them)"
+    out.print(f"{verb} {report.requeued}, skipped {report.skipped}{wake}")
+    for name in report.missing_queues:
+        out.print(styled(f"missing DLQ {name} (run `python -m sqla_outbox provision`)", "yellow"))

@@ -1,0 +1,55 @@
+"""``python -m sqla_outbox provision``: create the queues and their DLQs, report drift."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import click
+
+from sqla_outbox.cli.options import (
+    EXIT_CHECK_FAILED,
+    common_options,
+    handle_errors,
+    load_settings,
+    setting,
+    setup_logging,
+)
+from sqla_outbox.cli.terminal import console, print_json, table
+
+
+@click.command("provision")
+@common_options
+@setting("max_receive_count", "--max-receive-count", type=int)
+@setting("max_message_bytes", "--max-message-bytes", type=int)
+@setting("sqs_managed_sse", "--sse/--no-sse")
+@setting("sqs_kms_key_id", "--kms-key-id")
+@click.option("--fix", is_flag=True, help="Apply the desired attributes to queues that drifted.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def provision_command(
+    verbose: int, log_format: str, traceback: bool, fix: bool, as_json: bool, **options: Any
+) -> None:
+    """Create the four queues and their DLQs (idempotent); report attribute drift.
+
+    Exit code 1 when an existing queue drifted and --fix was not given.
+    """
+    setup_logging(verbose, log_format)
+    with handle_errors(traceback):
+        settings = load_settings(**options)
+        from sqla_outbox.sqs.client import make_client
+        from sqla_outbox.sqs.provision import provision
+
+        reports = provision(make_client(settings), settings, fix=fix)
+        if as_json:
+            print_json([dataclasses.asdict(r) for r in reports])
+        else:
+            shown = table("SQS queues", ("queue", "SQS name", "kind", "action", "differences"))
+            for r in reports:
+                diffs = "; ".join(
+                    f"{k}: {v['actual']!r} → {v['expected']!r}" for k, v in r.differences.items()
+                )
+                shown.add_row(r.queue, r.name, "DLQ" if r.dead_letter else "source", r.action, diffs)
+            console().print(shown)
+        if any(r.action == "drift" for r in reports):
+            sys.exit(EXIT_CHECK_FAILED)

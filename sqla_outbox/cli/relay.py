@@ -1,0 +1,87 @@
+"""``python -m sqla_outbox.relay``: move committed outbox rows to SQS (one active relay)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import click
+
+from sqla_outbox.cli.options import (
+    EXIT_CONFIG,
+    EXIT_CONNECT,
+    EXIT_OK,
+    Abandon,
+    common_options,
+    handle_errors,
+    install_stop_signals,
+    load_settings,
+    setting,
+    setup_logging,
+)
+from sqla_outbox.cli.terminal import print_check_report, print_json
+
+
+@click.command("relay")
+@common_options
+@setting("relay_sweep_interval_seconds", "--sweep-interval", type=float)
+@setting("relay_batch_size", "--batch-size", type=int)
+@setting("relay_send_concurrency", "--send-concurrency", type=int)
+@setting("health_port", "--health-port", type=int)
+@click.option(
+    "--once",
+    is_flag=True,
+    help="Run one pass and exit; when another relay is active, do nothing (exit code 0, "
+    '"leader": false in --json).',
+)
+@click.option("--check", is_flag=True, help="Check the database, Valkey and SQS, then exit.")
+@click.option("--json", "as_json", is_flag=True, help="With --once/--check: print JSON.")
+def relay_command(
+    verbose: int, log_format: str, traceback: bool, once: bool, check: bool, as_json: bool, **options: Any
+) -> None:
+    """Move committed outbox rows to SQS (the one active relay; others stand by)."""
+    setup_logging(verbose, log_format)
+    with handle_errors(traceback):
+        settings = load_settings(**options)
+        if check:
+            from sqla_outbox import health
+
+            report = health.check_services(settings, need_queues=True)
+            schedules = health.check_schedules(settings)
+            report.results.append(schedules)
+            print_check_report(report, as_json=as_json)
+            if not report.ok:  # 3: a service did not answer; 2: only the catalog is wrong
+                sys.exit(EXIT_CONFIG if report.ok_without(schedules) else EXIT_CONNECT)
+            sys.exit(EXIT_OK)
+        from sqla_outbox.relay import Relay
+
+        relay = Relay(settings)
+        if once:
+            result = relay.run_once()
+            if as_json:
+                print_json(dataclasses.asdict(result))
+            elif not result.leader:
+                click.echo("another relay is active; nothing done (it sends the pending rows)")
+            else:
+                click.echo(f"claimed {result.claimed}, sent {result.sent}, failed {result.failed}")
+            return  # exit code 0 either way: the active relay does the work
+        probe = None
+        if settings.health_port is not None:
+            from sqla_outbox.health import ProbeServer
+
+            probe = ProbeServer(settings.health_port, ready=lambda: not relay.stopping)
+            probe.start()
+        install_stop_signals(relay.stop)
+        try:
+            relay.run()
+        except Abandon:
+            click.echo("relay: abandoned the batch in progress (its rows stay pending)", err=True)
+        finally:
+            if probe is not None:
+                probe.stop()
+
+
+def main_relay() -> None:
+    """``python -m sqla_outbox.relay`` / ``sqla-outbox-relay``."""
+    relay_command.main(args=sys.argv[1:], prog_name="python -m sqla_outbox.relay")

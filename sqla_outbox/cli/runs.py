@@ -1,0 +1,195 @@
+"""``python -m sqla_outbox runs show|list``: runs and their trail."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any
+
+import click
+
+from sqla_outbox.cli.options import (
+    QUEUE_CHOICE,
+    common_options,
+    duration,
+    handle_errors,
+    json_option,
+    load_settings,
+    outbox_connection,
+    setup_logging,
+    tenant,
+)
+from sqla_outbox.cli.terminal import console, jsonable, print_json, table, text, when
+from sqla_outbox.ops.durations import format_age
+from sqla_outbox.types import RUN_STATUSES
+
+
+@click.group("runs")
+def runs_group() -> None:
+    """Runs and their trail (task_runs, task_run_trail)."""
+
+
+@runs_group.command("show")
+@click.argument("run_id", type=click.UUID)
+@common_options
+@click.option("--with-tracebacks", is_flag=True, help="Also print the traceback excerpt of each failure.")
+@json_option
+def runs_show_command(
+    run_id: uuid.UUID,
+    verbose: int,
+    log_format: str,
+    traceback: bool,
+    with_tracebacks: bool,
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """Show one run and every status change and error of its trail.
+
+    Exit code 1 when there is no such run.
+    """
+    setup_logging(verbose, log_format)
+    with handle_errors(traceback):
+        from sqla_outbox.ops import runs
+
+        settings = load_settings(**options)
+        with outbox_connection(settings) as connection:
+            detail = runs.get_run(connection, run_id, with_traceback=with_tracebacks)
+        if as_json:
+            print_json(jsonable(detail))
+            return
+        _render_run(detail, with_tracebacks)
+
+
+def _render_run(detail: Any, with_tracebacks: bool) -> None:
+    from rich.table import Table
+
+    out = console()
+    run = detail.run
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    rows = [
+        ("run_id", str(run.run_id)),
+        ("task", run.task + (f" (event {run.event})" if run.event else "")),
+        ("queue", run.queue),
+        ("tenant", text(run.tenant_id)),
+        ("status", run.status),
+        ("attempts", str(run.attempts)),
+        ("idempotency key", text(run.idempotency_key)),
+        ("created", f"{when(run.created_at)} ({format_age(run.age_seconds)} ago)"),
+        ("available", when(run.available_at)),
+        ("started", when(run.started_at)),
+        ("finished", when(run.finished_at)),
+        ("dead-lettered", when(run.dead_lettered_at)),
+        (
+            "lease",
+            f"{text(run.lease_owner)} until {when(run.lease_expires_at)}" if run.lease_owner else "-",
+        ),
+        ("last error", f"{run.last_error_type}: {run.last_error}" if run.last_error_type else "-"),
+    ]
+    for key, value in rows:
+        grid.add_row(key, value)
+    out.print(grid)
+    shown = table(
+        "Trail",
+        ("at (UTC)", "status", "attempt", "receive", "worker", "error type", "error message", "detail"),
+    )
+    for t in detail.trail:
+        shown.add_row(
+            when(t.at),
+            t.status,
+            text(t.attempt),
+            text(t.receive_count),
+            text(t.worker_id),
+            text(t.error_type),
+            text(t.error_message),
+            ", ".join(f"{k}={v}" for k, v in (t.detail or {}).items()) or "-",
+        )
+    out.print(shown)
+    if with_tracebacks:
+        for t in detail.trail:
+            if t.traceback:
+                out.rule(f"traceback, attempt {text(t.attempt)} ({when(t.at)})")
+                out.print(t.traceback, markup=False, highlight=False)
+
+
+@runs_group.command("list")
+@common_options
+@click.option("--task", "tasks", multiple=True, help="Only this task (repeatable).")
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    type=click.Choice(RUN_STATUSES),
+    help="Only this status (repeatable).",
+)
+@click.option("--queue", "queues", multiple=True, type=QUEUE_CHOICE, help="Only this queue (repeatable).")
+@click.option(
+    "--tenant",
+    "tenant_id",
+    callback=tenant,
+    metavar="ID|platform",
+    help="Only this tenant id, or 'platform' (no tenant).",
+)
+@click.option(
+    "--older-than",
+    callback=duration,
+    metavar="DURATION",
+    help="Only runs created longer ago than this (10m, 2h, 7d).",
+)
+@click.option(
+    "--newer-than", callback=duration, metavar="DURATION", help="Only runs created more recently than this."
+)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="Most runs shown.")
+@json_option
+def runs_list_command(
+    verbose: int,
+    log_format: str,
+    traceback: bool,
+    tasks: tuple[str, ...],
+    statuses: tuple[str, ...],
+    queues: tuple[str, ...],
+    tenant_id: int | str | None,
+    older_than: dt.timedelta | None,
+    newer_than: dt.timedelta | None,
+    limit: int,
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """List runs matching the filters, newest first."""
+    setup_logging(verbose, log_format)
+    with handle_errors(traceback):
+        from sqla_outbox.ops import runs
+
+        settings = load_settings(**options)
+        filters = runs.RunFilter(
+            tasks=tasks,
+            statuses=statuses,
+            queues=queues,
+            tenant_id=tenant_id,
+            older_than=older_than,
+            newer_than=newer_than,
+            limit=limit,
+        )
+        with outbox_connection(settings) as connection:
+            found = runs.list_runs(connection, filters)
+        if as_json:
+            print_json(jsonable(found))
+            return
+        shown = table(
+            f"Runs ({len(found)}{', limit reached' if len(found) == limit else ''})",
+            ("run_id", "task", "queue", "tenant", "status", "attempts", "created (UTC)", "age", "last error"),
+        )
+        for r in found:
+            shown.add_row(
+                str(r.run_id),
+                r.task,
+                r.queue,
+                text(r.tenant_id),
+                r.status,
+                str(r.attempts),
+                when(r.created_at),
+                format_age(r.age_seconds),
+                text(r.last_error_type),
+            )
+        console().print(shown)

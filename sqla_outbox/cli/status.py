@@ -1,0 +1,121 @@
+"""``python -m sqla_outbox status``: pending rows, runs by status, stale runs, SQS depths."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import click
+
+from sqla_outbox.cli.options import (
+    common_options,
+    duration,
+    handle_errors,
+    json_option,
+    load_settings,
+    outbox_connection,
+    setup_logging,
+    sqs_client,
+)
+from sqla_outbox.cli.terminal import console, jsonable, print_json, styled, table, text, when
+from sqla_outbox.ops.durations import format_age
+
+
+@click.command("status")
+@common_options
+@click.option(
+    "--stale-after",
+    callback=duration,
+    metavar="DURATION",
+    default="15m",
+    show_default=True,
+    help="Flag running runs whose lease expired longer ago than this.",
+)
+@click.option(
+    "--sqs/--no-sqs", "with_sqs", default=True, show_default=True, help="Also read the SQS queue depths."
+)
+@json_option
+def status_command(
+    verbose: int,
+    log_format: str,
+    traceback: bool,
+    stale_after: dt.timedelta,
+    with_sqs: bool,
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """Pending outbox rows, runs by status (stale running runs flagged), queue and DLQ depths."""
+    setup_logging(verbose, log_format)
+    with handle_errors(traceback):
+        from sqla_outbox.ops import status
+
+        settings = load_settings(**options)
+        with outbox_connection(settings) as connection:
+            report = status.collect(
+                connection,
+                settings,
+                client=sqs_client(settings) if with_sqs else None,
+                stale_after_seconds=stale_after.total_seconds(),
+            )
+        if as_json:
+            print_json(jsonable(report))
+            return
+        _render_status(report)
+
+
+def _render_status(report: Any) -> None:
+    out = console()
+    out.print(f"database time {when(report.database_time)} UTC")
+    if report.pending:
+        shown = table(
+            "Pending outbox rows",
+            ("table", "queue", "pending", "due", "oldest pending", "oldest due (lag)", "max send attempts"),
+        )
+        for p in report.pending:
+            lag = format_age(p.oldest_due_age_seconds)
+            shown.add_row(
+                p.table,
+                p.queue,
+                str(p.pending),
+                str(p.due),
+                format_age(p.oldest_pending_age_seconds),
+                lag,
+                str(p.max_attempts),
+            )
+        out.print(shown)
+    else:
+        out.print("Pending outbox rows: none")
+    runs = table("Runs by status", ("status", "runs"))
+    for name, count in report.runs_by_status.items():
+        runs.add_row(name, str(count))
+    stale = f"running, lease expired > {format_age(report.stale_after_seconds)}"
+    runs.add_row(
+        styled(stale, "red") if report.stale_running_count else stale, str(report.stale_running_count)
+    )
+    out.print(runs)
+    if report.stale_running:
+        shown = table(
+            "Stale running runs", ("run_id", "task", "queue", "tenant", "lease owner", "lease expired")
+        )
+        for r in report.stale_running:
+            shown.add_row(
+                r.run_id,
+                r.task,
+                r.queue,
+                text(r.tenant_id),
+                text(r.lease_owner),
+                format_age(r.lease_expired_seconds_ago) + " ago",
+            )
+        out.print(shown)
+    if report.queues is not None:
+        shown = table("SQS queues", ("queue", "SQS name", "kind", "visible", "in flight", "delayed"))
+        for q in report.queues:
+            kind = "DLQ" if q.dead_letter else "source"
+            if q.error:
+                shown.add_row(q.queue, q.name, kind, styled(q.error, "red"), "", "")
+                continue
+            visible: Any = str(q.visible)
+            if q.dead_letter and q.visible:
+                visible = styled(visible, "red")
+            shown.add_row(q.queue, q.name, kind, visible, str(q.not_visible), str(q.delayed))
+        out.print(shown)

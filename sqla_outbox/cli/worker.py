@@ -1,0 +1,85 @@
+"""``python -m sqla_outbox.worker``: run task handlers from SQS."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import click
+
+from sqla_outbox.cli.options import (
+    EXIT_CONFIG,
+    EXIT_CONNECT,
+    EXIT_OK,
+    common_options,
+    handle_errors,
+    load_settings,
+    setting,
+    setup_logging,
+    split_list,
+)
+from sqla_outbox.cli.terminal import print_check_report
+
+
+@click.command("worker")
+@common_options
+@setting("worker_queues", "--queues", "-Q", callback=lambda ctx, param, value: split_list(value))
+@setting("worker_concurrency", "--concurrency", "-c", type=int)
+@setting("worker_imports", "--imports", "-I", callback=lambda ctx, param, value: split_list(value))
+@setting("worker_wait_seconds", "--wait-seconds", type=int)
+@setting("worker_stop_budget_seconds", "--stop-budget", type=float)
+@setting("worker_run_relay", "--with-relay/--without-relay")
+@setting("worker_id", "--worker-id")
+@setting("health_port", "--health-port", type=int)
+@setting("catalog_path", "--catalog")
+@click.option("--check", is_flag=True, help="Check the database, Valkey, SQS and the handlers, then exit.")
+@click.option("--json", "as_json", is_flag=True, help="With --check: print JSON.")
+def worker_command(
+    verbose: int, log_format: str, traceback: bool, check: bool, as_json: bool, **options: Any
+) -> None:
+    """Run task handlers from SQS: heartbeats, retries, DLQ, run history, graceful stop."""
+    setup_logging(verbose, log_format)
+    with handle_errors(traceback):
+        settings = load_settings(**options)
+        from sqla_outbox.worker.consumer import Worker, import_task_modules
+
+        import_task_modules(settings.worker_imports)
+        if check:
+            from sqla_outbox import health
+
+            report = health.check_services(settings, need_queues=True)
+            handlers = health.check_handlers(settings)
+            report.results.append(handlers)
+            print_check_report(report, as_json=as_json)
+            if not report.ok:  # 3: a service did not answer; 2: only the configuration is wrong
+                sys.exit(EXIT_CONFIG if report.ok_without(handlers) else EXIT_CONNECT)
+            sys.exit(EXIT_OK)
+        from sqla_outbox.logging import log_extra
+        from sqla_outbox.worker.registry import registry
+
+        for warning in registry.preflight(settings, queues=settings.worker_queues):
+            logging.getLogger("sqla_outbox.worker").warning(
+                warning, extra=log_extra(action="worker.preflight")
+            )
+        worker = Worker(settings)
+        probe = None
+        if settings.health_port is not None:
+            from sqla_outbox.health import ProbeServer
+
+            probe = ProbeServer(
+                settings.health_port,
+                ready=lambda: worker.ready and not worker.stopping,
+                alive=worker.is_alive,
+            )
+            probe.start()
+        try:
+            worker.run()
+        finally:
+            if probe is not None:
+                probe.stop()
+
+
+def main_worker() -> None:
+    """``python -m sqla_outbox.worker`` / ``sqla-outbox-worker``."""
+    worker_command.main(args=sys.argv[1:], prog_name="python -m sqla_outbox.worker")
