@@ -26,7 +26,12 @@ LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
 def _lint(package_parent: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(package_parent)}
     return subprocess.run(
-        [LINT_IMPORTS, "--no-cache", "--no-logo"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+        [LINT_IMPORTS, "--no-cache", "--no-logo"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
