@@ -223,7 +223,8 @@ def test_commands_on_an_unmigrated_database_say_to_migrate(
     empty_database: str, settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]
 ) -> None:
     env = service_env(settings.replace(database_url=empty_database), sqs_endpoint)
-    expected = f"error: the outbox tables are missing in {redact_url(empty_database)}: run `python -m sqla_outbox migrate`"
+    missing = f"error: the outbox tables are missing in {redact_url(empty_database)}"
+    expected = f"{missing}: run `python -m sqla_outbox migrate`"
     for command in (
         ("status",),
         ("status", "--no-sqs", "--json"),
