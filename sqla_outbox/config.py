@@ -71,9 +71,16 @@ class OutboxSettings:
     )
     valkey_url: str | None = _setting(
         "redis://127.0.0.1:6379/0",
-        "Valkey/Redis URL for the wake signal. Empty or `none` runs sweep-only "
-        "(the relay finds work by sweeping; nothing is lost, only latency grows).",
+        "Valkey/Redis URL for the wake signal. Empty or `none`: no Valkey; with `wake_mode` "
+        "`auto` the PostgreSQL wake takes its place.",
         aliases=("VALKEY_URL", "REDIS_URL"),
+    )
+    database_direct_url: str | None = _setting(
+        None,
+        "URL of a direct connection to the same database, for the relay's `LISTEN` (the "
+        "PostgreSQL wake) when `database_url` goes through a transaction-mode pooler such as "
+        "PgBouncer, which cannot hold a `LISTEN`. Unset: `database_url`.",
+        aliases=("DATABASE_DIRECT_URL",),
     )
     sqs_endpoint_url: str | None = _setting(
         None,
@@ -88,6 +95,14 @@ class OutboxSettings:
         "tasks.json",
         "Path of the task catalog (tasks → queue/options, events → subscribers) that the "
         "API side validates dispatches against.",
+    )
+    wake_mode: str = _setting(
+        "auto",
+        "How a commit that wrote outbox rows wakes the relay: `valkey` (LPUSH after the commit, "
+        "BLPOP in the relay), `postgres` (a `NOTIFY` inside the dispatching statement, delivered "
+        "only if the transaction commits, and a relay that `LISTEN`s), `both`, or `none` (the "
+        "relay finds work by sweeping). `auto`: `valkey` when `valkey_url` is set, else "
+        "`postgres`. docs/deployment.md#the-wake compares them.",
     )
     wake_key: str = _setting("sqla_outbox:outbox:wake", "Valkey list the application LPUSHes after a commit.")
     wake_timeout_ms: int = _setting(
@@ -224,10 +239,18 @@ class OutboxSettings:
     purge_batch_size: int = _setting(1000, "Rows deleted per purge statement.")
 
     def __post_init__(self) -> None:
-        for name in ("valkey_url", "sqs_endpoint_url", "tenant_foreign_key", "sqs_kms_key_id"):
+        for name in (
+            "valkey_url",
+            "database_direct_url",
+            "sqs_endpoint_url",
+            "tenant_foreign_key",
+            "sqs_kms_key_id",
+        ):
             value = getattr(self, name)
             if isinstance(value, str) and value.strip().lower() in _NONE_WORDS:
                 object.__setattr__(self, name, None)
+        if isinstance(self.wake_mode, str):
+            object.__setattr__(self, "wake_mode", self.wake_mode.strip().lower())
         _validate(self)
 
     # ---------------------------------------------------------------------------------
@@ -271,6 +294,36 @@ class OutboxSettings:
     def sqlalchemy_url(self) -> str:
         """``database_url`` with the psycopg 3 driver when no driver is named."""
         return sqlalchemy_url(self.database_url)
+
+    @property
+    def wake_channels(self) -> frozenset[str]:
+        """The wake signals in force: a subset of ``{"valkey", "postgres"}``.
+
+        ``wake_mode="auto"`` resolves to ``{"valkey"}`` when ``valkey_url`` is set, else
+        ``{"postgres"}``; ``valkey`` (or ``both``) without a ``valkey_url`` drops Valkey.
+        """
+        if self.wake_mode == "auto":
+            return frozenset({"valkey"} if self.valkey_url else {"postgres"})
+        chosen = {"valkey": {"valkey"}, "postgres": {"postgres"}, "both": {"valkey", "postgres"}}
+        channels = chosen.get(self.wake_mode, set())
+        return frozenset(c for c in channels if c != "valkey" or self.valkey_url)
+
+    @property
+    def wake_valkey_url(self) -> str | None:
+        """``valkey_url`` when the Valkey wake is in force (:attr:`wake_channels`), else None."""
+        return self.valkey_url if "valkey" in self.wake_channels else None
+
+    @property
+    def wake_notify(self) -> bool:
+        """True when dispatching transactions ``NOTIFY`` the relay (the PostgreSQL wake)."""
+        return "postgres" in self.wake_channels
+
+    @property
+    def listen_url(self) -> str:
+        """libpq URL of the relay's ``LISTEN`` connection: ``database_direct_url`` or else
+        ``database_url``, without a SQLAlchemy driver name."""
+        url = sqlalchemy_url(self.database_direct_url or self.database_url)
+        return url.replace("postgresql+psycopg://", "postgresql://", 1)
 
     def queue_url_name(self, queue: str) -> str:
         """SQS queue name for a logical queue (``<prefix><queue>``)."""
@@ -403,12 +456,12 @@ def _check(condition: bool, field: str, message: str) -> None:
         raise errors.ConfigurationError(message, option=ENV_PREFIX + field.upper())
 
 
-def _check_database_url(url: str) -> None:
+def _check_database_url(url: str, field: str = "database_url") -> None:
     """Refuse URLs SQLAlchemy cannot parse and databases other than PostgreSQL via psycopg 3.
 
     Raises:
-        ConfigurationError: Naming ``SQLA_OUTBOX_DATABASE_URL``; the message shows the URL
-            with its password masked.
+        ConfigurationError: Naming the setting's variable (``SQLA_OUTBOX_DATABASE_URL``);
+            the message shows the URL with its password masked.
     """
     shown = redact_url(url)
     try:
@@ -416,13 +469,13 @@ def _check_database_url(url: str) -> None:
     except (sqlalchemy_exc.ArgumentError, ValueError):
         _check(
             False,
-            "database_url",
+            field,
             f"{shown!r} is not a database URL; expected postgresql://user:password@host:5432/database",
         )
         return
     _check(
         parsed.drivername == "postgresql+psycopg",
-        "database_url",
+        field,
         f"{parsed.drivername!r} is not supported ({shown}): sqla_outbox supports only PostgreSQL "
         "(through psycopg 3); use postgresql://user:password@host:5432/database",
     )
@@ -444,6 +497,9 @@ def _check_endpoint_url(url: str) -> None:
     )
 
 
+WAKE_MODES = ("auto", "valkey", "postgres", "both", "none")
+"""Values of ``wake_mode``; :attr:`OutboxSettings.wake_channels` says what each turns on."""
+
 VALKEY_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
 """URL schemes accepted for ``valkey_url`` (``valkey``/``valkeys`` are read as redis/rediss)."""
 
@@ -451,6 +507,13 @@ VALKEY_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
 def _validate(s: OutboxSettings) -> None:
     _check(bool(s.database_url), "database_url", "must not be empty")
     _check_database_url(s.database_url)
+    if s.database_direct_url is not None:
+        _check_database_url(s.database_direct_url, "database_direct_url")
+    _check(
+        s.wake_mode in WAKE_MODES,
+        "wake_mode",
+        f"{s.wake_mode!r} is not a wake mode; expected one of {', '.join(WAKE_MODES)}",
+    )
     if s.sqs_endpoint_url is not None:
         _check_endpoint_url(s.sqs_endpoint_url)
     if s.valkey_url is not None:
@@ -458,7 +521,7 @@ def _validate(s: OutboxSettings) -> None:
             s.valkey_url.startswith(VALKEY_SCHEMES),
             "valkey_url",
             f"{redact_url(s.valkey_url)!r} is not a redis://, rediss://, valkey:// or unix:// URL "
-            "(or `none` to run sweep-only)",
+            "(or `none` to run without Valkey)",
         )
     for field in dataclasses.fields(s):
         value = getattr(s, field.name)

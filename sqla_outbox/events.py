@@ -19,13 +19,15 @@ What each hook does, and what it may do:
     references) exist first.
 ``after_flush``
     Writes the rows left by ``before_flush``: one statement per flush
-    (``sqla_outbox.write``). Still inside the flush's transaction; SQL is allowed.
+    (``sqla_outbox.write``; with the PostgreSQL wake it also carries the ``NOTIFY``, which
+    PostgreSQL delivers only if the transaction commits). Still inside the flush's
+    transaction; SQL is allowed.
 ``before_commit``
     Safety net: writes rows whose flush ended early, so nothing is lost.
 ``after_commit``
     The transaction is over and no SQL may be emitted. For the root transaction, if any
     outbox row survived (rows of rolled-back savepoints do not count), schedules one
-    wake (the waker's thread does the LPUSH; the commit never waits for Valkey).
+    Valkey wake (the waker's thread does the LPUSH; the commit never waits for Valkey).
     A savepoint release (``after_commit`` also fires for it) only carries its count to the
     parent. Wake failures are logged and counted, never raised.
 ``after_transaction_end`` / ``after_soft_rollback``
@@ -188,7 +190,7 @@ class Installation:
     def _write_deferred(self, session: Session, state: _SessionState) -> None:
         runs, state.deferred = state.deferred, []
         connection = session.connection()
-        written = write_runs(connection, runs)
+        written = write_runs(connection, runs, notify=self.settings.wake_notify)
         owner = session.get_nested_transaction() or session.get_transaction()
         if owner is not None and written:
             state.written[owner] = state.written.get(owner, 0) + written

@@ -113,8 +113,11 @@ class CheckReport:
 
 
 def check_services(settings: OutboxSettings, *, need_queues: bool) -> CheckReport:
-    """Reach PostgreSQL (and the outbox tables), Valkey and SQS; never raises."""
+    """Reach PostgreSQL (and the outbox tables), Valkey, the PostgreSQL wake's ``LISTEN``
+    connection when that wake is in force, and SQS; never raises."""
     results = [_check_database(settings), _check_valkey(settings)]
+    if settings.wake_notify:
+        results.append(_check_listen(settings))
     if need_queues:
         results.append(_check_queues(settings))
     return CheckReport(results)
@@ -178,7 +181,9 @@ def _check_database(settings: OutboxSettings) -> CheckResult:
 
 def _check_valkey(settings: OutboxSettings) -> CheckResult:
     if settings.valkey_url is None:
-        return CheckResult("valkey", True, "not configured: sweep-only")
+        return CheckResult("valkey", True, f"not configured (wake: {_wake_words(settings)})")
+    if settings.wake_valkey_url is None:
+        return CheckResult("valkey", True, f"not used (wake_mode {settings.wake_mode})")
     from sqla_outbox import wakeup
 
     try:
@@ -186,6 +191,32 @@ def _check_valkey(settings: OutboxSettings) -> CheckResult:
     except Exception as exc:
         return CheckResult("valkey", False, f"{redact_url(settings.valkey_url)}: {type(exc).__name__}")
     return CheckResult("valkey", True, redact_url(settings.valkey_url))
+
+
+def _wake_words(settings: OutboxSettings) -> str:
+    channels = settings.wake_channels
+    if not channels:
+        return "none, the relay sweeps"
+    return " and ".join(sorted("PostgreSQL LISTEN/NOTIFY" if c == "postgres" else "Valkey" for c in channels))
+
+
+def _check_listen(settings: OutboxSettings) -> CheckResult:
+    """The PostgreSQL wake: the listen URL answers and holds a ``LISTEN``."""
+    from sqla_outbox.relay import listen
+
+    url = redact_url(settings.listen_url)
+    try:
+        held = listen.probe(settings, timeout_seconds=3)
+    except Exception as exc:
+        return CheckResult("listen", False, f"{url}: {type(exc).__name__}")
+    if not held:
+        return CheckResult(
+            "listen",
+            False,
+            f"{url}: a LISTEN does not hold (a transaction-mode pooler?); the relay would only sweep: "
+            "set SQLA_OUTBOX_DATABASE_DIRECT_URL to a direct connection",
+        )
+    return CheckResult("listen", True, f"{url}: LISTEN/NOTIFY wake")
 
 
 def _check_queues(settings: OutboxSettings) -> CheckResult:

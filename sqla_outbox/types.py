@@ -63,3 +63,8 @@ class RunStatus(enum.StrEnum):
 RUN_STATUSES: tuple[str, ...] = tuple(s.value for s in RunStatus)
 UNFINISHED_STATUSES: tuple[str, ...] = ("queued", "running", "retrying")
 FINISHED_STATUSES: tuple[str, ...] = ("succeeded", "failed")
+
+WAKE_CHANNEL = "sqla_outbox_wake"
+"""PostgreSQL ``LISTEN``/``NOTIFY`` channel of the PostgreSQL wake. Notifications reach only
+listeners of the same database, so one name serves every installation (one active relay
+per database)."""

@@ -116,7 +116,7 @@ class Waker:
     ``wake_timeout_ms`` to go out.
 
     Args:
-        settings: Uses ``valkey_url`` (None: every wake is a no-op), ``wake_key``,
+        settings: Uses ``wake_valkey_url`` (None: every wake is a no-op), ``wake_key``,
             ``wake_timeout_ms`` (longest one LPUSH may take), ``wake_retry_seconds`` and
             ``wake_list_max``.
 
@@ -132,7 +132,7 @@ class Waker:
     application and Valkey. An isolated commit is pushed at once."""
 
     def __init__(self, settings: OutboxSettings) -> None:
-        self.url = settings.valkey_url
+        self.url = settings.wake_valkey_url
         self.key = settings.wake_key
         self.list_max = settings.wake_list_max
         self.retry_seconds = settings.wake_retry_seconds
@@ -256,7 +256,8 @@ class WakeListener:
     """Relay side: waits on the wake key with BLPOP in a daemon thread.
 
     Args:
-        settings: Uses ``valkey_url``, ``wake_key`` and ``relay_sweep_interval_seconds``
+        settings: Uses ``wake_valkey_url`` (None: :meth:`start` does nothing), ``wake_key``
+            and ``relay_sweep_interval_seconds``
             (the BLPOP timeout).
         on_wake: Called (from the listener thread) after each wake; must be cheap and
             thread-safe, e.g. ``threading.Event.set``.
@@ -267,7 +268,7 @@ class WakeListener:
     """
 
     def __init__(self, settings: OutboxSettings, on_wake: Callable[[], None]) -> None:
-        self.url = settings.valkey_url
+        self.url = settings.wake_valkey_url
         self.key = settings.wake_key
         self.timeout = max(1.0, settings.relay_sweep_interval_seconds)
         self.on_wake = on_wake

@@ -30,10 +30,29 @@ from sqlalchemy.engine import Connection
 
 from sqla_outbox import errors
 from sqla_outbox.dispatch import PreparedRun
-from sqla_outbox.types import UNFINISHED_STATUSES
+from sqla_outbox.types import UNFINISHED_STATUSES, WAKE_CHANNEL
 
-_INSERT = text(
-    """
+_WAKE_CTE = f"""
+wake AS (SELECT pg_notify('{WAKE_CHANNEL}', '') FROM runs LIMIT 1)"""
+"""The PostgreSQL wake, riding on the write statement: one ``pg_notify`` when the statement
+inserted at least one run. PostgreSQL delivers a notification only when its transaction
+commits (and folds identical ones of one transaction into one), so a rolled-back dispatch
+wakes nobody and a transaction of many flushes wakes the relay once. The function is
+volatile, so the CTE is not inlined; the final ``SELECT`` references it, so it runs."""
+
+_SELECT_RUNS = "SELECT run_id FROM runs"
+_SELECT_RUNS_AND_WAKE = "SELECT runs.run_id FROM runs LEFT JOIN wake ON true"
+
+
+def _finish(body: str, notify: bool) -> str:
+    """``body`` (CTEs ending with the ``runs`` one and others, no final SELECT) completed
+    with the final SELECT, plus the wake CTE when ``notify``."""
+    if notify:
+        return f"{body},{_WAKE_CTE}\n{_SELECT_RUNS_AND_WAKE}\n"
+    return f"{body}\n{_SELECT_RUNS}\n"
+
+
+_INSERT_MANY_BODY = """
 WITH input AS (
     SELECT * FROM unnest(
         CAST(:run_ids AS uuid[]), CAST(:tasks AS text[]), CAST(:events AS text[]),
@@ -65,29 +84,29 @@ platform_rows AS (
     FROM input AS i JOIN runs AS r ON r.run_id = i.run_id
     WHERE i.tenant_id IS NULL
     ORDER BY i.ord
-)
-SELECT run_id FROM runs
-"""
-).bindparams(
-    bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True))),
-    bindparam("tasks", type_=ARRAY(Text)),
-    bindparam("events", type_=ARRAY(Text)),
-    bindparam("queues", type_=ARRAY(Text)),
-    bindparam("tenant_ids", type_=ARRAY(BigInteger)),
-    bindparam("keys", type_=ARRAY(Text)),
-    bindparam("delays", type_=ARRAY(Interval)),
-    bindparam("available_ats", type_=ARRAY(DateTime(timezone=True))),
-    bindparam("envelopes", type_=ARRAY(Text)),
-)
+)"""
 
 
-def _insert_one(table: str) -> Any:
+def _insert_many(notify: bool) -> Any:
+    return text(_finish(_INSERT_MANY_BODY, notify)).bindparams(
+        bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True))),
+        bindparam("tasks", type_=ARRAY(Text)),
+        bindparam("events", type_=ARRAY(Text)),
+        bindparam("queues", type_=ARRAY(Text)),
+        bindparam("tenant_ids", type_=ARRAY(BigInteger)),
+        bindparam("keys", type_=ARRAY(Text)),
+        bindparam("delays", type_=ARRAY(Interval)),
+        bindparam("available_ats", type_=ARRAY(DateTime(timezone=True))),
+        bindparam("envelopes", type_=ARRAY(Text)),
+    )
+
+
+def _insert_one(table: str, notify: bool) -> Any:
     """The single-run variant: scalar parameters instead of arrays (about a third cheaper
     for the common one-dispatch flush: no array dumping, no unnest)."""
     tenant_column = "tenant_id, " if table == "outbox_messages" else ""
     tenant_value = ":tenant_id, " if table == "outbox_messages" else ""
-    return text(
-        f"""
+    body = f"""
 WITH runs AS (
     INSERT INTO task_runs (run_id, task, event, queue, tenant_id, idempotency_key, available_at)
     VALUES (:run_id, :task, :event, :queue, :tenant_id, :key,
@@ -98,10 +117,8 @@ WITH runs AS (
 rows AS (
     INSERT INTO {table} ({tenant_column}run_id, queue, envelope, available_at)
     SELECT {tenant_value}run_id, :queue, CAST(:envelope AS jsonb), available_at FROM runs
-)
-SELECT run_id FROM runs
-"""
-    ).bindparams(
+)"""
+    return text(_finish(body, notify)).bindparams(
         bindparam("run_id", type_=UUID(as_uuid=True)),
         bindparam("tenant_id", type_=BigInteger),
         bindparam("delay", type_=Interval),
@@ -110,7 +127,12 @@ SELECT run_id FROM runs
     )
 
 
-_INSERT_ONE = {table: _insert_one(table) for table in ("outbox_messages", "platform_outbox_messages")}
+_INSERT = {notify: _insert_many(notify) for notify in (False, True)}
+_INSERT_ONE = {
+    (table, notify): _insert_one(table, notify)
+    for table in ("outbox_messages", "platform_outbox_messages")
+    for notify in (False, True)
+}
 
 _UNFINISHED = ", ".join(f"'{s}'" for s in UNFINISHED_STATUSES)
 _FIND_BY_KEY = text(
@@ -132,12 +154,15 @@ _FIND_BY_ID = text("SELECT run_id, task, tenant_id FROM task_runs WHERE run_id =
 _Key = tuple[str, int | None, str]
 
 
-def write_runs(connection: Connection, runs: Sequence[PreparedRun]) -> int:
+def write_runs(connection: Connection, runs: Sequence[PreparedRun], *, notify: bool = False) -> int:
     """Insert ``runs`` and their outbox rows; set each run's ``resolved_run_id``.
 
     Args:
         connection: The flushing session's connection (inside its transaction).
         runs: Prepared runs, in dispatch order.
+        notify: Also ``NOTIFY`` the relay (the PostgreSQL wake, ``settings.wake_notify``),
+            in the same statement when it inserts a run; delivered only if the transaction
+            commits.
 
     Returns:
         Number of outbox rows written (runs that did not resolve to an existing run).
@@ -169,7 +194,7 @@ def write_runs(connection: Connection, runs: Sequence[PreparedRun]) -> int:
     for _ in range(3):
         if not pending:
             break
-        inserted = {row[0] for row in _execute(connection, pending)}
+        inserted = {row[0] for row in _execute(connection, pending, notify)}
         written += len(inserted)
         missing = []
         for run in pending:
@@ -188,12 +213,12 @@ def write_runs(connection: Connection, runs: Sequence[PreparedRun]) -> int:
     return written
 
 
-def _execute(connection: Connection, runs: Sequence[PreparedRun]) -> Any:
+def _execute(connection: Connection, runs: Sequence[PreparedRun], notify: bool) -> Any:
     if len(runs) == 1:
         run = runs[0]
         table = "platform_outbox_messages" if run.tenant_id is None else "outbox_messages"
         return connection.execute(
-            _INSERT_ONE[table],
+            _INSERT_ONE[table, notify],
             {
                 "run_id": run.run_id,
                 "task": run.task,
@@ -206,7 +231,7 @@ def _execute(connection: Connection, runs: Sequence[PreparedRun]) -> Any:
                 "envelope": run.envelope_json,
             },
         )
-    return connection.execute(_INSERT, _params(runs))
+    return connection.execute(_INSERT[notify], _params(runs))
 
 
 def _key(run: PreparedRun) -> _Key | None:

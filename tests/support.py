@@ -388,6 +388,7 @@ def service_env(settings: Any, endpoint: str, **extra: str) -> dict[str, str]:
         {
             "SQLA_OUTBOX_DATABASE_URL": settings.database_url,
             "SQLA_OUTBOX_VALKEY_URL": settings.valkey_url or "none",
+            "SQLA_OUTBOX_WAKE_MODE": settings.wake_mode,
             "SQLA_OUTBOX_WAKE_KEY": settings.wake_key,
             "SQLA_OUTBOX_QUEUE_PREFIX": settings.queue_prefix,
             "SQLA_OUTBOX_SQS_ENDPOINT_URL": endpoint,

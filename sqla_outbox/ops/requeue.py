@@ -23,8 +23,10 @@ A requeue never sends to SQS itself. For each selected run, in **one transaction
 4. add a trail row: status ``queued``, detail ``{"requeued_by": "operator", "from":
    "failed", "source": "dlq"|"database", "outbox": "reset"|"recreated", ...}``.
 
-Then, after the commits of a batch: one wake (LPUSH, :class:`sqla_outbox.wakeup.Waker`),
-so the relay sends the rows at once (its sweep would find them anyway), and only then the
+With the PostgreSQL wake (``settings.wake_notify``) the transaction also ``NOTIFY``s the
+relay, which PostgreSQL delivers when it commits. Then, after the commits of a batch: one
+Valkey wake (LPUSH, :class:`sqla_outbox.wakeup.Waker`, when that wake is in force), so the
+relay sends the rows at once (its sweep would find them anyway), and only then the
 DLQ messages of the requeued runs are deleted. If the process dies between the commit
 and the delete, the DLQ message stays; requeueing it again is refused (the run is not
 ``failed`` any more), so nothing runs twice because of it.
@@ -63,7 +65,7 @@ from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
 from sqla_outbox.ops.dlq import DeadLetter, DeadLetterFilter, DeadLetterScan, Received
 from sqla_outbox.sqs.client import QueueDirectory, is_missing_queue
-from sqla_outbox.types import UNFINISHED_STATUSES
+from sqla_outbox.types import UNFINISHED_STATUSES, WAKE_CHANNEL
 from sqla_outbox.wakeup import Waker
 
 logger = logging.getLogger(__name__)
@@ -152,6 +154,7 @@ INSERT INTO task_run_trail (run_id, status, attempt, worker_id, detail)
 VALUES (:run_id, 'queued', :attempt, :worker, CAST(:detail AS jsonb))
 """
 ).bindparams(_RUN_ID, bindparam("detail", type_=Text))
+_NOTIFY = text(f"SELECT pg_notify('{WAKE_CHANNEL}', '')")
 _QUEUES_OF = text("SELECT run_id, queue FROM task_runs WHERE run_id = ANY(:run_ids)").bindparams(
     bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True)))
 )
@@ -199,7 +202,7 @@ class RequeueReport:
 
     Attributes:
         dry_run: Nothing was changed. items: One per run (or foreign message), in the
-            order found. woke: At least one wake LPUSH succeeded.
+            order found. woke: At least one wake LPUSH succeeded, or requeues NOTIFYed the relay.
         missing_queues: DLQs that do not exist.
     """
 
@@ -342,6 +345,8 @@ def requeue_run(
                 "detail": json.dumps(detail),
             },
         )
+        if settings.wake_notify:  # the PostgreSQL wake: delivered if the transaction commits
+            connection.execute(_NOTIFY)
         savepoint.commit()
     except IntegrityError as exc:
         savepoint.rollback()
@@ -473,6 +478,8 @@ def requeue(
         woke_for_database = woke_for_database or item.action == REQUEUED
     if woke_for_database and waker is not None:
         report.woke = _wake_now(waker) or report.woke
+    if settings.wake_notify and not dry_run and any(item.action == REQUEUED for item in report.items):
+        report.woke = True  # each requeue's transaction NOTIFYed the relay as it committed
     return report
 
 

@@ -14,7 +14,9 @@ per outbox table (``FOR UPDATE SKIP LOCKED``, oldest first), send them
 
 Between passes the relay waits for whichever comes first:
 
-* a wake (BLPOP on the wake key, in a listener thread);
+* a wake: BLPOP on the Valkey wake key (:mod:`sqla_outbox.wakeup`) and/or a PostgreSQL
+  notification (``LISTEN`` on a connection of its own, :mod:`sqla_outbox.relay.listen`),
+  each in a listener thread, as ``wake_mode`` says;
 * the earliest future ``available_at`` it knows of (database clock), so delayed runs go
   out on time rather than at the next sweep;
 * the sweep interval (``relay_sweep_interval_seconds``), the guarantee when wakes are lost;
@@ -45,6 +47,7 @@ from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
 from sqla_outbox.relay import claim
+from sqla_outbox.relay.listen import NotifyListener
 from sqla_outbox.relay.schedule import Scheduler
 from sqla_outbox.relay.send import Sender, SendResult
 from sqla_outbox.wakeup import WakeListener
@@ -294,6 +297,8 @@ class Relay:
         logger.info("relay is the active relay", extra=log_extra(action="relay.leader", relay=self.name))
         listener = WakeListener(self.settings, self._wake.set)
         listener.start()
+        notify_listener = NotifyListener(self.settings, self._wake.set)
+        notify_listener.start()
         try:
             self._wake.set()  # first pass at once
             result = PassResult()
@@ -310,6 +315,7 @@ class Relay:
                     self._wake.set()
         finally:
             listener.stop()
+            notify_listener.stop()
             self._unlock(connection)
             self._set_leader(False)
 

@@ -196,3 +196,39 @@ def test_a_variable_overridden_by_an_option_is_not_read() -> None:
     assert OutboxSettings.from_env(env, relay_batch_size=10).relay_batch_size == 10
     with pytest.raises(errors.ConfigurationError, match="SQLA_OUTBOX_RELAY_BATCH_SIZE"):
         OutboxSettings.from_env(env)
+
+
+def test_wake_mode_says_which_wakes_are_in_force() -> None:
+    valkey = "redis://cache:6379/0"
+    cases = {
+        ("auto", valkey): {"valkey"},
+        ("auto", None): {"postgres"},
+        ("valkey", valkey): {"valkey"},
+        ("valkey", None): set(),
+        ("postgres", valkey): {"postgres"},
+        ("both", valkey): {"valkey", "postgres"},
+        ("both", None): {"postgres"},
+        ("none", valkey): set(),
+    }
+    for (mode, url), channels in cases.items():
+        settings = OutboxSettings(wake_mode=mode, valkey_url=url)
+        assert settings.wake_channels == channels, (mode, url)
+        assert settings.wake_notify == ("postgres" in channels)
+        assert settings.wake_valkey_url == (url if "valkey" in channels else None)
+    assert OutboxSettings.from_env({"SQLA_OUTBOX_WAKE_MODE": " Postgres "}).wake_mode == "postgres"
+    with pytest.raises(
+        errors.ConfigurationError, match=r"^SQLA_OUTBOX_WAKE_MODE: 'notify' is not a wake mode"
+    ):
+        OutboxSettings.from_env({"SQLA_OUTBOX_WAKE_MODE": "notify"})
+
+
+def test_the_listen_url_is_the_direct_url_when_set() -> None:
+    pooled = "postgresql+asyncpg://app:pw@pgbouncer:6432/app"
+    settings = OutboxSettings(database_url=pooled)
+    assert settings.listen_url == "postgresql://app:pw@pgbouncer:6432/app"
+    direct = OutboxSettings.from_env(
+        {"DATABASE_URL": pooled, "DATABASE_DIRECT_URL": "postgres://app:pw@db/app"}
+    )
+    assert direct.listen_url == "postgresql://app:pw@db/app"
+    with pytest.raises(errors.ConfigurationError, match=r"^SQLA_OUTBOX_DATABASE_DIRECT_URL: 'mysql"):
+        OutboxSettings(database_direct_url="mysql://db/app")
