@@ -21,7 +21,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from sqlalchemy import exc as sqlalchemy_exc
 from sqlalchemy.engine import make_url
@@ -392,6 +392,14 @@ def sqlalchemy_url(url: str) -> str:
         value = ssl[-1] if isinstance(ssl, tuple) else ssl
         query.setdefault("sslmode", _SSL_TO_SSLMODE.get(value.lower(), value))
     return parsed.set(query=query).render_as_string(hide_password=False)
+
+
+def with_database(url: str, database: str) -> str:
+    """``url`` naming ``database`` instead of its own, query (a Unix socket's ``host=``,
+    ``sslmode``, ...) kept: ``postgresql://u@h:5432/app?sslmode=require`` →
+    ``postgresql://u@h:5432/<database>?sslmode=require``."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, "/" + database, parts.query, parts.fragment))
 
 
 _PASSWORD = re.compile(r"(://[^:/@]*:)([^@]*)(@)")

@@ -4,12 +4,15 @@ What it does, using embedded defaults wherever nothing is configured:
 
 1. **PostgreSQL**: creates a fresh database (``--database-name``, default
    ``sqla_outbox_demo``) on the server of ``DATABASE_URL`` (default
-   ``postgresql://postgres@127.0.0.1:5432/postgres``); if that server is unreachable and
-   Docker is available, starts one with testcontainers.
+   ``postgresql://postgres@127.0.0.1:5432/postgres``). When nothing answers there, starts
+   an embedded PostgreSQL in a temporary folder (the ``embedded`` extra,
+   :mod:`sqla_outbox.postgres_server`), removed at the end unless ``--keep``; without
+   that extra, a container through testcontainers when Docker is available.
 2. **SQS**: the endpoint in ``SQLA_OUTBOX_SQS_ENDPOINT_URL``; when none is set, an
    in-process moto server on a free loopback port.
-3. **Valkey**: ``REDIS_URL``/``VALKEY_URL`` when it answers; otherwise sweep-only, with a
-   one-line notice.
+3. **The wake**: Valkey at ``REDIS_URL``/``VALKEY_URL`` when it answers; otherwise the
+   PostgreSQL wake (``NOTIFY`` in the dispatching transaction, a relay that ``LISTEN``s).
+   The header names the one in use and the summary shows the latency that results.
 4. Migrates with the example shop's own Alembic environment (its tables plus ours),
    provisions the queues, starts ``python -m sqla_outbox.relay`` and ``python -m
    sqla_outbox.worker --imports examples.shop.tasks`` as real subprocesses.
@@ -44,7 +47,7 @@ import click
 from sqla_outbox.cli.options import EXIT_CHECK_FAILED, EXIT_CONFIG, EXIT_OK
 from sqla_outbox.cli.terminal import console as make_console
 from sqla_outbox.cli.terminal import styled
-from sqla_outbox.config import OutboxSettings, redact_url
+from sqla_outbox.config import OutboxSettings, redact_url, with_database
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 SHOP = REPO_ROOT / "examples" / "shop"
@@ -101,7 +104,11 @@ def expected_status(task: str, payload: dict[str, Any]) -> str:
     type=float,
     help="Give up waiting for the runs after this long [s].",
 )
-@click.option("--keep", is_flag=True, help="Keep the demo database afterwards.")
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="Keep the demo database afterwards (and the embedded PostgreSQL's folder, when one was started).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def demo_command(
     orders: int, database_name: str, review_delay: float, timeout: float, keep: bool, as_json: bool
@@ -137,20 +144,28 @@ def demo_command(
 @contextlib.contextmanager
 def _services(database_name: str, console: Any, keep: bool) -> Iterator[dict[str, str]]:
     with contextlib.ExitStack() as stack:
-        server_url = _postgres(stack, console)
+        server_url, origin = _postgres(stack, console, keep)
         database_url = _fresh_database(server_url, database_name)
         if not keep:
             stack.callback(_drop_database, server_url, database_name)
         _header(
             console,
             "PostgreSQL",
-            redact_url(database_url),
+            _shown_url(database_url),
+            *origin,
             "a fresh database, kept afterwards (--keep)"
             if keep
             else "a fresh database, dropped at the end (--keep keeps it)",
         )
         endpoint = _sqs(stack, console)
         valkey = _valkey(console)
+        _header(
+            console,
+            "Wake",
+            "Valkey (LPUSH after commit, BLPOP in the relay)"
+            if valkey
+            else "PostgreSQL (NOTIFY in the dispatching transaction, LISTEN in the relay)",
+        )
         env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_OUTBOX_")}
         env.setdefault("AWS_ACCESS_KEY_ID", "demo")
         env.setdefault("AWS_SECRET_ACCESS_KEY", "demo")
@@ -160,6 +175,7 @@ def _services(database_name: str, console: Any, keep: bool) -> Iterator[dict[str
                 "SQLA_OUTBOX_DATABASE_URL": database_url,
                 "SHOP_DATABASE_URL": database_url,
                 "SQLA_OUTBOX_VALKEY_URL": valkey or "none",
+                "SQLA_OUTBOX_WAKE_MODE": "valkey" if valkey else "postgres",
                 "SQLA_OUTBOX_SQS_ENDPOINT_URL": endpoint,
                 "SQLA_OUTBOX_QUEUE_PREFIX": f"demo-{uuid.uuid4().hex[:6]}-",
                 "SQLA_OUTBOX_CATALOG_PATH": str(SHOP / "tasks.json"),
@@ -177,8 +193,15 @@ def _services(database_name: str, console: Any, keep: bool) -> Iterator[dict[str
         yield env
 
 
-def _postgres(stack: contextlib.ExitStack, console: Any) -> str:
+def _postgres(stack: contextlib.ExitStack, console: Any, keep: bool) -> tuple[str, list[str]]:
+    """The server URL to create the demo's database on, and header notes on where it is.
+
+    The configured server when it answers; otherwise an embedded PostgreSQL (removed at
+    the end unless ``keep``), otherwise a testcontainers container when Docker is there.
+    """
     import psycopg
+
+    from sqla_outbox import postgres_server
 
     url = os.environ.get("SQLA_OUTBOX_DATABASE_URL") or os.environ.get("DATABASE_URL")
     url = (url or "postgresql://postgres@127.0.0.1:5432/postgres").replace(
@@ -186,16 +209,42 @@ def _postgres(stack: contextlib.ExitStack, console: Any) -> str:
     )
     try:
         psycopg.connect(url, connect_timeout=5).close()
-        return url
+        return url, []
     except psycopg.OperationalError as exc:
         reason = str(exc).strip().splitlines()[0]
+    nothing = f"nothing answered at {redact_url(url)}"
+    if postgres_server.is_installed():
+        server = stack.enter_context(postgres_server.embedded_postgres(keep=keep, prefix="sqla_outbox-demo-"))
+        kept = (
+            f"its folder {server.folder} is kept, the server stopped (--keep)"
+            if keep
+            else "removed at the end (--keep keeps it)"
+        )
+        return server.url(), [
+            f"an embedded PostgreSQL {server.version} in {server.pgdata}",
+            f"started because {nothing}; {kept}",
+        ]
     try:
         from testcontainers.postgres import PostgresContainer
     except ImportError:
-        raise click.ClickException(f"PostgreSQL is not reachable at {redact_url(url)} ({reason})") from None
+        raise click.ClickException(
+            f"PostgreSQL is not reachable at {redact_url(url)} ({reason}); set DATABASE_URL, or "
+            f"install '{postgres_server.EXTRA}' for an embedded one"
+        ) from None
     console.print(f"PostgreSQL not reachable at {redact_url(url)}; starting one with testcontainers")
     container = stack.enter_context(PostgresContainer("postgres:15", driver=None))
-    return str(container.get_connection_url())
+    return str(container.get_connection_url()), [f"a container (testcontainers), since {nothing}"]
+
+
+def _shown_url(url: str) -> str:
+    """``url`` for the header: password masked; a Unix-socket URL without its query (the
+    socket's folder is named in the notes)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if "host=/" in parts.query:
+        parts = parts._replace(query="")
+    return redact_url(urlunsplit(parts))
 
 
 def _fresh_database(server_url: str, name: str) -> str:
@@ -205,11 +254,7 @@ def _fresh_database(server_url: str, name: str) -> str:
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    base, _, _ = server_url.rpartition("/")
-    query = ""
-    if "?" in server_url.rsplit("/", 1)[-1]:
-        query = "?" + server_url.rsplit("?", 1)[-1]
-    return f"{base}/{name}{query}"
+    return with_database(server_url, name)
 
 
 def _drop_database(server_url: str, name: str) -> None:
@@ -254,17 +299,12 @@ def _valkey(console: Any) -> str | None:
 
     url = OutboxSettings.from_env().valkey_url
     if url is None:
-        _header(console, "Valkey", "not configured", "the relay finds work by sweeping")
+        _header(console, "Valkey", "not configured")
         return None
     try:
         wakeup.ping(url, timeout_seconds=2)
     except Exception:
-        _header(
-            console,
-            "Valkey",
-            f"not reachable at {redact_url(url)}",
-            "running sweep-only (runs arrive within 5 s)",
-        )
+        _header(console, "Valkey", f"not reachable at {redact_url(url)}")
         return None
     _header(console, "Valkey", redact_url(url))
     return url
@@ -507,6 +547,7 @@ def _summarise(
         "runs_by_status": dict(sorted(by_status.items())),
         "unexpected": unexpected,
         "handler_effects": effects,
+        "wake": settings.wake_mode,
         "latency_ms": _percentiles(latencies),
         "delayed_lateness_ms": _percentiles(lateness),
         "dlq": dlq,
@@ -573,9 +614,10 @@ def _print_summary(summary: dict[str, Any], progress: Any) -> None:
         table.add_row(status, str(count))
     out.print(table)
     lat, late = summary["latency_ms"], summary["delayed_lateness_ms"]
+    wake = "Valkey" if summary["wake"] == "valkey" else "PostgreSQL LISTEN/NOTIFY"
     out.print(
-        f"commit → handler finished: p50 {lat['p50']} ms, p99 {lat['p99']} ms ({lat['count']} runs; "
-        "the orders arrive in one burst, so this includes waiting behind it)"
+        f"commit → handler finished: p50 {lat['p50']} ms, p99 {lat['p99']} ms ({lat['count']} runs, "
+        f"{wake} wake; the orders arrive in one burst, so this includes waiting behind it)"
     )
     out.print(f"delayed runs finished after their due time: p50 {late['p50']} ms, p99 {late['p99']} ms")
     out.print(f"handler effects recorded: {summary['handler_effects']}; rolled-back order: no runs")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -74,3 +76,60 @@ def test_demo_header_names_the_database_used_and_reads_well_in_a_narrow_terminal
     assert "in-process moto server at http://127.0.0.1:" in lines[sqs]
     assert lines[sqs + 1].strip() == "SQLA_OUTBOX_SQS_ENDPOINT_URL is not set"
     assert "OK: all 11 committed runs reached their expected status" in result.stdout
+
+
+def _demo_without_services(*args: str) -> subprocess.CompletedProcess[str]:
+    """The demo where no PostgreSQL and no Valkey answer (ports where nothing listens)."""
+    from tests.support import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SQLA_OUTBOX_", "AWS_"))}
+    env.update(
+        {
+            "DATABASE_URL": f"postgresql://postgres@127.0.0.1:{free_port()}/postgres",
+            "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+            "COLUMNS": "200",
+        }
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "sqla_outbox", "demo", "--orders", "6", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def _embedded_folder(stderr: str) -> Path:
+    [line] = [line for line in stderr.splitlines() if "an embedded PostgreSQL" in line]
+    return Path(line.split(" in ", 1)[1].strip()).parent
+
+
+def _server_running(folder: Path) -> bool:
+    import psutil
+
+    for process in psutil.process_iter(["name", "cmdline"]):
+        if process.info["name"] == "postgres" and str(folder) in " ".join(process.info["cmdline"] or []):
+            return True
+    return False
+
+
+def test_demo_starts_an_embedded_postgres_and_wakes_through_it_when_nothing_answers() -> None:
+    result = _demo_without_services()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "OK: all 27 committed runs reached their expected status" in result.stdout  # 6 x 4 + 3
+    assert "PostgreSQL LISTEN/NOTIFY wake" in result.stdout
+    header = result.stderr
+    assert "started because nothing answered at postgresql://postgres@127.0.0.1:" in header
+    assert "Wake:       PostgreSQL (NOTIFY in the dispatching transaction, LISTEN in the relay)" in header
+    folder = _embedded_folder(header)
+    assert not folder.exists() and not _server_running(folder)  # removed at the end
+
+    kept = _demo_without_services("--keep", "--orders", "1")
+    assert kept.returncode == 0, kept.stdout[-3000:] + kept.stderr[-3000:]
+    assert "commit → handler finished" in kept.stdout and "PostgreSQL LISTEN/NOTIFY wake" in kept.stdout
+    folder = _embedded_folder(kept.stderr)
+    try:
+        assert (folder / "pgdata" / "PG_VERSION").exists()  # kept, with the server stopped
+        assert not _server_running(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
