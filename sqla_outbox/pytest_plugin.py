@@ -19,10 +19,16 @@ them pays only for importing this module, which adds nothing to what ``import
 sqla_outbox`` loads (the helpers in :mod:`sqla_outbox.testing` are imported when the
 ``outbox`` fixture is first used, and boto3 never is). Disable the plugin with
 ``-p no:sqla_outbox``.
+
+Where CI has no database service, ``outbox_postgres_server`` gives a server (the one at
+``DATABASE_URL`` when it answers, else an embedded one) and ``outbox_database_url`` a
+database on it with sqla_outbox's migrations applied.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -88,3 +94,35 @@ def outbox(
     return Outbox(
         outbox_session_factory, registry=outbox_registry, catalog=outbox_catalog, settings=outbox_settings
     )
+
+
+@pytest.fixture(scope="session")
+def outbox_postgres_server() -> Iterator[str]:
+    """A PostgreSQL server for the session: the one at ``DATABASE_URL`` (default
+    ``postgresql://postgres@127.0.0.1:5432/postgres``) when it answers, otherwise an
+    embedded server in a temporary folder, removed at the end (needs
+    ``pip install 'sqla-outbox[embedded]'``).
+
+    Yields the libpq URL (``postgresql://...``) of a database to connect to for
+    ``CREATE DATABASE``; create your test databases beside it
+    (:func:`sqla_outbox.config.with_database` names them).
+    """
+    from sqla_outbox.testing.database import database_server
+
+    configured = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    with database_server(configured) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def outbox_database_url(outbox_postgres_server: str) -> Iterator[str]:
+    """SQLAlchemy URL of a fresh database on ``outbox_postgres_server`` with sqla_outbox's
+    migrations at head (no tenant foreign key), dropped at the end of the session.
+
+    For suites that do not run their own Alembic environment; one that does (ours
+    included, docs/alembic.md) creates its database on ``outbox_postgres_server`` instead.
+    """
+    from sqla_outbox.testing.database import embedded_database
+
+    with embedded_database(outbox_postgres_server) as url:
+        yield url

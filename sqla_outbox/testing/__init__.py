@@ -42,6 +42,7 @@ with its trail rows, but no ``dead_lettered_at``). The pytest plugin
 
 from __future__ import annotations
 
+from sqla_outbox.testing.database import database_server, embedded_database
 from sqla_outbox.testing.inline import WORKER_ID, RoundLimitReached, RunOutcome, RunReport, run_pending
 from sqla_outbox.testing.outbox import Outbox
 from sqla_outbox.testing.reading import (
@@ -70,6 +71,8 @@ __all__ = [
     "assert_dispatched",
     "assert_not_dispatched",
     "assert_published",
+    "database_server",
     "dispatched",
+    "embedded_database",
     "run_pending",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -732,3 +734,80 @@ def test_a_handler_that_commits_its_session_fails_and_its_effects_roll_back(
         assert "use flush()" in outcome.error.message
     assert report.by_run_id(fine.run_id).status == "succeeded"
     assert _notes(engine) == ["audit", "savepoint"]  # only the run that did not commit
+
+
+# --- a PostgreSQL for applications' tests --------------------------------------------------
+def test_embedded_database_has_the_outbox_tables_and_leaves_nothing_behind() -> None:
+    from sqla_outbox import migrations, testing
+
+    with testing.embedded_database(tenant_foreign_key=None) as url:
+        engine = sa.create_engine(url)
+        try:
+            with engine.connect() as conn:
+                assert migrations.missing_tables(conn) == []
+                socket_dir = conn.execute(sa.text("SHOW unix_socket_directories")).scalar_one()
+        finally:
+            engine.dispose()
+    assert not Path(socket_dir).exists()  # the embedded cluster's folder is gone
+
+
+def test_database_server_prefers_a_server_that_answers(pg_url: str, free_tcp_url: str) -> None:
+    from sqla_outbox import testing
+
+    with testing.database_server(pg_url) as url:
+        assert url == pg_url
+    with testing.database_server(free_tcp_url) as url:
+        assert "host=/" in url  # nothing answered: an embedded server on a Unix socket
+        with psycopg.connect(url) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_an_applications_suite_gets_a_migrated_database_without_a_server(
+    tmp_path: Path, free_tcp_url: str
+) -> None:
+    """What the pytest plugin offers a project whose CI has no PostgreSQL service."""
+    catalog = {"version": 1, "tasks": {"notify": {"queue": "default"}}}
+    (tmp_path / "catalog.json").write_text(json.dumps(catalog))
+    (tmp_path / "test_app.py").write_text(
+        textwrap.dedent(
+            """
+            from pathlib import Path
+
+            import sqlalchemy as sa
+            from sqlalchemy.orm import sessionmaker
+
+            import sqla_outbox
+            from sqla_outbox import Dispatch, testing
+
+            def test_dispatch_on_the_embedded_database(outbox_database_url):
+                engine = sa.create_engine(outbox_database_url)
+                maker = sessionmaker(engine)
+                catalog = sqla_outbox.Catalog.load(Path(__file__).parent / "catalog.json")
+                sqla_outbox.install(maker, sqla_outbox.OutboxSettings(wake_mode="none"), catalog=catalog)
+                with maker.begin() as session:
+                    session.add(Dispatch("notify", {"n": 1}))
+                testing.assert_dispatched(engine, "notify", payload={"n": 1})
+                engine.dispose()
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_OUTBOX_")}
+    env["DATABASE_URL"] = free_tcp_url
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_app.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "1 passed" in result.stdout
+
+
+@pytest.fixture
+def free_tcp_url() -> str:
+    """A PostgreSQL URL on a loopback port where nothing listens."""
+    from tests.support import free_port
+
+    return f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"

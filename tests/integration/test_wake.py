@@ -192,10 +192,11 @@ def test_valkey_url_that_is_not_a_redis_url_is_refused_at_install(
 
 
 def test_valkey_url_pointing_at_another_service_never_reaches_the_app(
-    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, cleanup: list, pg_url: str
+    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, cleanup: list, moto_endpoint: str
 ) -> None:
-    """Misconfigured: the URL points at PostgreSQL, which does not speak the Redis protocol."""
-    port = pg_url.rsplit(":", 1)[1].split("/")[0]
+    """Misconfigured: the URL points at another service (an HTTP server), which does not
+    speak the Redis protocol."""
+    port = moto_endpoint.rsplit(":", 1)[1].split("/")[0]
     maker = installed(engine, settings.replace(valkey_url=f"redis://127.0.0.1:{port}/0"), catalog)
     cleanup.append(maker)
     durations = [commit_one(maker) for _ in range(3)]

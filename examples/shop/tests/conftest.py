@@ -11,8 +11,10 @@ An application's tests, as the shop would write them:
   ``outbox_session_factory`` with it gives sqla_outbox's ``outbox`` fixture (from the
   pytest plugin that installing sqla_outbox registers) a database to read and run.
 
-The PostgreSQL server comes from ``SHOP_TEST_DATABASE_URL`` or ``DATABASE_URL`` (default
-``postgresql://postgres@127.0.0.1:5432/test``); databases are created beside it.
+The PostgreSQL server is sqla_outbox's ``outbox_postgres_server`` fixture: the server at
+``DATABASE_URL`` (default ``postgresql://postgres@127.0.0.1:5432/test``) when it answers,
+else an embedded one in a temporary folder (the ``embedded`` extra), so the suite also
+runs where CI has no database service. Databases are created beside it.
 """
 
 from __future__ import annotations
@@ -37,33 +39,28 @@ from sqla_outbox.config import sqlalchemy_url
 
 SHOP = Path(__file__).resolve().parents[1]
 ROOT = SHOP.parents[1]
-DEFAULT_SERVER_URL = "postgresql://postgres@127.0.0.1:5432/test"
 
 
-def _server_url() -> str:
-    url = os.environ.get("SHOP_TEST_DATABASE_URL") or os.environ.get("DATABASE_URL") or DEFAULT_SERVER_URL
-    return url.replace("postgresql+psycopg://", "postgresql://")
-
-
-def _database_url(name: str) -> str:
-    parts = urlsplit(_server_url())
+def _database_url(server: str, name: str) -> str:
+    parts = urlsplit(server)
     return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, parts.fragment))
 
 
-def _drop(name: str) -> None:
-    with psycopg.connect(_server_url(), autocommit=True) as conn:
+def _drop(server: str, name: str) -> None:
+    with psycopg.connect(server, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 @pytest.fixture(scope="session")
-def shop_template() -> Iterator[str]:
+def shop_template(outbox_postgres_server: str) -> Iterator[str]:
     """Name of a database migrated to the shop's heads (the seed's welcome runs included)."""
+    server = outbox_postgres_server
     name = f"shop_tpl_{os.getpid()}"
-    _drop(name)
-    with psycopg.connect(_server_url(), autocommit=True) as conn:
+    _drop(server, name)
+    with psycopg.connect(server, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_OUTBOX_")}
-    env["SHOP_DATABASE_URL"] = _database_url(name)
+    env["SHOP_DATABASE_URL"] = _database_url(server, name)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, "-m", "alembic", "-c", str(SHOP / "alembic.ini"), "upgrade", "heads"],
@@ -74,38 +71,39 @@ def shop_template() -> Iterator[str]:
         timeout=120,
     )
     if result.returncode != 0:
-        _drop(name)
+        _drop(server, name)
         pytest.fail(f"alembic upgrade heads failed:\n{result.stderr[-3000:]}", pytrace=False)
     yield name
-    _drop(name)
+    _drop(server, name)
 
 
 @pytest.fixture
-def shop_engine(shop_template: str) -> Iterator[sa.Engine]:
+def shop_engine(outbox_postgres_server: str, shop_template: str) -> Iterator[sa.Engine]:
     """Engine on this test's own copy of the shop database."""
+    server = outbox_postgres_server
     name = f"shop_{uuid.uuid4().hex[:16]}"
-    with psycopg.connect(_server_url(), autocommit=True) as conn:
+    with psycopg.connect(server, autocommit=True) as conn:
         conn.execute(
             sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
                 sql.Identifier(name), sql.Identifier(shop_template)
             )
         )
-    engine = sa.create_engine(sqlalchemy_url(_database_url(name)))
+    engine = sa.create_engine(sqlalchemy_url(_database_url(server, name)))
     yield engine
     engine.dispose()
-    _drop(name)
+    _drop(server, name)
 
 
 @pytest.fixture
 def shop_sessions(shop_engine: sa.Engine) -> Iterator[sessionmaker[Session]]:
     """The shop's session factory, installed as its composition root would install it.
 
-    No Valkey in tests (``valkey_url=None``): nothing relays, so nothing needs waking.
+    No wake in tests (``wake_mode="none"``): nothing relays, so nothing needs waking.
     """
     factory = sessionmaker(shop_engine)
     sqla_outbox.install(
         factory,
-        sqla_outbox.OutboxSettings(valkey_url=None),
+        sqla_outbox.OutboxSettings(wake_mode="none"),
         catalog=sqla_outbox.Catalog.load(SHOP / "tasks.json"),
     )
     yield factory
