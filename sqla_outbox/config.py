@@ -614,6 +614,12 @@ def reference_markdown() -> str:
         "AWS credentials and region are not settings: boto3 reads them from its own chain",
         "(`AWS_REGION`, `AWS_PROFILE`, `AWS_ACCESS_KEY_ID`, instance roles, ...).",
         "",
+        "The wake (`wake_mode`): `valkey` (LPUSH/BLPOP through `valkey_url`), `postgres` (a `NOTIFY`",
+        "in the dispatching transaction, a relay that `LISTEN`s, through `database_direct_url` when",
+        "`database_url` goes through a transaction-mode pooler), `both`, `none` (the sweep alone), or",
+        "`auto`: `valkey` when `valkey_url` is set, else `postgres`. Set it alike on API processes and",
+        "relays; docs/deployment.md#the-wake compares them.",
+        "",
         "| setting | environment | default | unit | meaning |",
         "|---|---|---|---|---|",
     ]

@@ -14,11 +14,12 @@ Like the Valkey wake (:mod:`sqla_outbox.wakeup`) it is a hint; the sweep is the 
 * A ``LISTEN`` belongs to a server session. A transaction-mode pooler (PgBouncer's
   ``pool_mode = transaction``) gives each transaction whichever server session is free, so
   the ``LISTEN`` is left behind on a session that another client gets next, and the
-  notifications never reach the relay. At each (re)connect the listener ``NOTIFY``s
-  itself a random token; when the token does not come back within ``probe_seconds`` it
-  warns once (``action="relay.listen_unheld"``, naming ``SQLA_OUTBOX_DATABASE_DIRECT_URL``)
-  and the relay runs on its sweep (``relay_sweep_interval_seconds``) and its delayed-run
-  timer, as with no wake at all. Point ``database_direct_url`` at the server itself.
+  notifications never reach the relay. At each (re)connect the listener ``NOTIFY``s a
+  random token (from a second, short-lived session); when the token does not come back
+  within ``probe_seconds`` it warns once (``action="relay.listen_unheld"``, naming
+  ``SQLA_OUTBOX_DATABASE_DIRECT_URL``) and the relay runs on its sweep
+  (``relay_sweep_interval_seconds``) and its delayed-run timer, as with no wake at all.
+  Point ``database_direct_url`` at the server itself.
 * When the connection breaks, the listener reconnects with capped exponential backoff
   (0.1 s doubling to 5 s), logging once per outage and once on recovery, and wakes the
   relay after reconnecting (notifications sent meanwhile were lost). TCP keepalives
@@ -111,8 +112,7 @@ class NotifyListener:
                     keepalives_count=3,
                 ) as connection:
                     connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(WAKE_CHANNEL)))
-                    probe = "probe:" + secrets.token_hex(8)
-                    connection.execute("SELECT pg_notify(%s, %s)", (WAKE_CHANNEL, probe))
+                    probe = _send_probe(self.url)
                     self.listening = True
                     backoff = 0.1
                     if in_outage:
@@ -182,15 +182,28 @@ def probe(settings: OutboxSettings, *, timeout_seconds: float = 3.0) -> bool:
     Raises:
         psycopg.Error: PostgreSQL did not answer (within ``timeout_seconds`` to connect).
     """
-    token = "probe:" + secrets.token_hex(8)
     with psycopg.connect(
         settings.listen_url, autocommit=True, connect_timeout=max(1, round(timeout_seconds))
     ) as connection:
         connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(WAKE_CHANNEL)))
-        connection.execute("SELECT pg_notify(%s, %s)", (WAKE_CHANNEL, token))
+        token = _send_probe(settings.listen_url, timeout_seconds)
         deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
             for notify in connection.notifies(timeout=max(0.01, deadline - time.monotonic())):
                 if notify.payload == token:
                     return True
         return False
+
+
+def _send_probe(url: str, timeout_seconds: float = 5.0) -> str:
+    """``NOTIFY`` a random token from a session of its own and return it. (A notification
+    the listening session sent itself arrives during its own statement, and psycopg 3.2.1,
+    the floor, passes those to notify handlers only, never to ``notifies()``.)
+
+    Raises:
+        psycopg.Error: The server did not answer.
+    """
+    token = "probe:" + secrets.token_hex(8)
+    with psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(timeout_seconds))) as sender:
+        sender.execute("SELECT pg_notify(%s, %s)", (WAKE_CHANNEL, token))
+    return token

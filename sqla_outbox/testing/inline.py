@@ -261,7 +261,7 @@ def run_pending(
             ``registry.catalog()``.
         settings: As ``catalog``; also gives ``max_message_bytes`` and
             ``worker_max_receives``. Default: the installation's, else
-            ``OutboxSettings(valkey_url=None)`` (no wake signal).
+            ``OutboxSettings(wake_mode="none")`` (no wake signal).
         include_delayed: Also run rows whose ``available_at`` is in the future.
         retries: Re-run transient failures at once (see above).
         tasks: Only pick up runs of these tasks; others stay pending.
@@ -320,7 +320,7 @@ class _InlineRunner:
         # installing a second set would process every Dispatch twice
         installation = installation_for(factory) or installation_for(factory.class_)
         self.settings = settings or (
-            installation.settings if installation else OutboxSettings(valkey_url=None)
+            installation.settings if installation else OutboxSettings(wake_mode="none")
         )
         self.catalog = catalog or (installation.catalog if installation else self.registry.catalog())
         if installation is None:

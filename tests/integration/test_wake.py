@@ -133,10 +133,10 @@ def _pings(client: redis.Redis) -> bool:
         return False
 
 
-def test_no_valkey_configured_means_sweep_only(
+def test_no_wake_configured_means_sweep_only(
     engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, cleanup: list
 ) -> None:
-    maker = installed(engine, settings.replace(valkey_url=None), catalog)
+    maker = installed(engine, settings.replace(valkey_url=None, wake_mode="none"), catalog)
     cleanup.append(maker)
     commit_one(maker)
     assert count(engine, "task_runs") == 1
