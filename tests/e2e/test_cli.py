@@ -95,7 +95,8 @@ def test_check_reports_each_service(
     ok = cli("relay", "--check", "--json", env=service_env(settings, sqs_endpoint))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     checks = json.loads(ok.stdout)["checks"]
-    assert [c["service"] for c in checks] == ["postgresql", "valkey", "sqs", "schedules"]
+    listen = ["listen"] if settings.wake_notify else []  # the PostgreSQL wake (no Valkey here)
+    assert [c["service"] for c in checks] == ["postgresql", "valkey", *listen, "sqs", "schedules"]
     assert checks[-1]["detail"].startswith(settings.catalog_path)
     broken = service_env(settings, sqs_endpoint, SQLA_OUTBOX_QUEUE_PREFIX="nothing-here-")
     bad = cli("relay", "--check", "--json", env=broken)

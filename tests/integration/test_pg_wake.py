@@ -225,3 +225,16 @@ def test_a_requeue_notifies_the_relay_when_it_commits(
     report = requeue.requeue(engine, sqs, pg_settings, dlq.DeadLetterFilter(run_ids={run_id}))
     assert (report.requeued, report.woke) == (1, True)
     assert len(notifications(listener_connection)) == 1
+
+
+def test_check_reports_the_listen_connection(settings: OutboxSettings) -> None:
+    from sqla_outbox import health
+    from tests.support import free_port
+
+    pg = settings.replace(wake_mode="postgres")
+    listen = {r.service: r for r in health.check_services(pg, need_queues=False).results}["listen"]
+    assert listen.ok and "LISTEN/NOTIFY wake" in listen.detail
+    unreachable = pg.replace(database_direct_url=f"postgresql://postgres@127.0.0.1:{free_port()}/postgres")
+    listen = {r.service: r for r in health.check_services(unreachable, need_queues=False).results}["listen"]
+    assert not listen.ok and "OperationalError" in listen.detail
+    assert "listen" not in {r.service for r in health.check_services(settings, need_queues=False).results}
