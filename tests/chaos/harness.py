@@ -336,6 +336,7 @@ class _Settings:
     queue_prefix: str
     catalog_path: str
     relay_sweep_interval_seconds: float = 1.0
+    wake_mode: str = "auto"
 
 
 def _prepare_database(server_url: str) -> str:
