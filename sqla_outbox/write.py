@@ -12,6 +12,11 @@ a flush costs one round trip whatever it holds.
 skewed application clock or a long transaction never shifts it, and the run row and the
 outbox row get the same value.
 
+A flush that publishes a webhook event uses a variant of the statement whose input also
+holds that event's deliveries, one per subscribed, enabled endpoint of the tenant, found
+by a join on ``webhook_endpoints`` (:mod:`sqla_outbox.webhook_fanout`); other flushes
+never read that table.
+
 A run that did not insert resolved to an existing run: for an idempotency key, the
 unfinished run with the same task + tenant + key (looked up in a second statement, which
 sees runs committed while this one waited on the unique index); for a caller-chosen
@@ -28,21 +33,20 @@ from sqlalchemy import BigInteger, DateTime, Interval, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
 
-from sqla_outbox import errors
-from sqla_outbox.dispatch import PreparedRun
+from sqla_outbox import errors, webhook_fanout
+from sqla_outbox.dispatch import Prepared, PreparedRun
 from sqla_outbox.types import UNFINISHED_STATUSES
+from sqla_outbox.webhook_fanout import PreparedFanout
 
-_INSERT = text(
-    """
-WITH input AS (
-    SELECT * FROM unnest(
+_RUN_ROWS = """unnest(
         CAST(:run_ids AS uuid[]), CAST(:tasks AS text[]), CAST(:events AS text[]),
         CAST(:queues AS text[]), CAST(:tenant_ids AS bigint[]), CAST(:keys AS text[]),
         CAST(:delays AS interval[]), CAST(:available_ats AS timestamptz[]),
         CAST(:envelopes AS text[])
     ) WITH ORDINALITY AS t(run_id, task, event, queue, tenant_id, idempotency_key,
-                           delay, available_at, envelope, ord)
-),
+                           delay, available_at, envelope, ord)"""
+
+_WRITES = """
 runs AS (
     INSERT INTO task_runs (run_id, task, event, queue, tenant_id, idempotency_key,
                            available_at)
@@ -66,9 +70,9 @@ platform_rows AS (
     WHERE i.tenant_id IS NULL
     ORDER BY i.ord
 )
-SELECT run_id FROM runs
 """
-).bindparams(
+
+_RUN_BINDPARAMS = (
     bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True))),
     bindparam("tasks", type_=ARRAY(Text)),
     bindparam("events", type_=ARRAY(Text)),
@@ -79,6 +83,19 @@ SELECT run_id FROM runs
     bindparam("available_ats", type_=ARRAY(DateTime(timezone=True))),
     bindparam("envelopes", type_=ARRAY(Text)),
 )
+
+_INSERT = text(f"WITH input AS (SELECT * FROM {_RUN_ROWS}),{_WRITES}SELECT run_id FROM runs").bindparams(
+    *_RUN_BINDPARAMS
+)
+
+# A flush holding a webhook event: the same writes, with the event's deliveries (one per
+# subscribed, enabled endpoint of the tenant, found by a join) added to the input.
+_INSERT_WITH_WEBHOOKS = text(
+    f"WITH {webhook_fanout.FANOUT_CTES} input AS ("
+    f"SELECT t.*, CAST(NULL AS bigint) AS endpoint_id, CAST(NULL AS bigint) AS fan_ord FROM {_RUN_ROWS}"
+    f" UNION ALL {webhook_fanout.FANOUT_INPUT}),"
+    f"{_WRITES}SELECT r.run_id, i.endpoint_id, i.fan_ord FROM runs AS r JOIN input AS i USING (run_id)"
+).bindparams(*_RUN_BINDPARAMS, *webhook_fanout.BINDPARAMS)
 
 
 def _insert_one(table: str) -> Any:
@@ -132,20 +149,25 @@ _FIND_BY_ID = text("SELECT run_id, task, tenant_id FROM task_runs WHERE run_id =
 _Key = tuple[str, int | None, str]
 
 
-def write_runs(connection: Connection, runs: Sequence[PreparedRun]) -> int:
-    """Insert ``runs`` and their outbox rows; set each run's ``resolved_run_id``.
+def write_runs(connection: Connection, prepared: Sequence[Prepared]) -> int:
+    """Insert the prepared runs and their outbox rows; set each run's ``resolved_run_id``.
 
     Args:
         connection: The flushing session's connection (inside its transaction).
-        runs: Prepared runs, in dispatch order.
+        prepared: Prepared runs in dispatch order, and the fan-outs of webhook events
+            (:class:`~sqla_outbox.webhook_fanout.PreparedFanout`), whose delivery runs are
+            written by the same statement.
 
     Returns:
-        Number of outbox rows written (runs that did not resolve to an existing run).
+        Number of outbox rows written (runs that did not resolve to an existing run,
+        webhook deliveries included).
 
     Raises:
         sqlalchemy.exc.DBAPIError: From the database, e.g. a tenant foreign key
             violation; the session's transaction is then rolled back by SQLAlchemy.
     """
+    runs = [item for item in prepared if isinstance(item, PreparedRun)]
+    fanouts = [item for item in prepared if isinstance(item, PreparedFanout)]
     unique: list[PreparedRun] = []
     twins: list[tuple[PreparedRun, PreparedRun]] = []
     first_by_key: dict[_Key, PreparedRun] = {}
@@ -167,9 +189,17 @@ def write_runs(connection: Connection, runs: Sequence[PreparedRun]) -> int:
     written = 0
     pending = unique
     for _ in range(3):
-        if not pending:
+        if not pending and not fanouts:
             break
-        inserted = {row[0] for row in _execute(connection, pending)}
+        inserted = set()
+        for run_id, endpoint_id, fan_ord in _execute(connection, pending, fanouts):
+            if endpoint_id is None:
+                inserted.add(run_id)
+            else:  # a webhook delivery (deduplicated ones are simply not inserted)
+                assert fan_ord is not None
+                fanouts[fan_ord - 1].run_ids[endpoint_id] = run_id
+                written += 1
+        fanouts = []  # written once; only ordinary runs may need another try
         written += len(inserted)
         missing = []
         for run in pending:
@@ -183,16 +213,23 @@ def write_runs(connection: Connection, runs: Sequence[PreparedRun]) -> int:
     for run, earlier in twins:
         run.resolved_run_id = earlier.resolved_run_id
         run.deduplicated = True
-    for run in runs:
-        run.source.record_resolution(run)
+    for item in prepared:
+        item.source.record_resolution(item)
     return written
 
 
-def _execute(connection: Connection, runs: Sequence[PreparedRun]) -> Any:
+def _execute(
+    connection: Connection, runs: Sequence[PreparedRun], fanouts: Sequence[PreparedFanout]
+) -> list[tuple[uuid.UUID, int | None, int | None]]:
+    """Run the flush's statement; return ``(run_id, endpoint_id, fan_ord)`` per inserted run
+    (the last two set for webhook deliveries only)."""
+    if fanouts:
+        params = {**_params(runs), **webhook_fanout.params(fanouts, first_ord=len(runs))}
+        return [(r[0], r[1], r[2]) for r in connection.execute(_INSERT_WITH_WEBHOOKS, params)]
     if len(runs) == 1:
         run = runs[0]
         table = "platform_outbox_messages" if run.tenant_id is None else "outbox_messages"
-        return connection.execute(
+        result = connection.execute(
             _INSERT_ONE[table],
             {
                 "run_id": run.run_id,
@@ -206,7 +243,9 @@ def _execute(connection: Connection, runs: Sequence[PreparedRun]) -> Any:
                 "envelope": run.envelope_json,
             },
         )
-    return connection.execute(_INSERT, _params(runs))
+    else:
+        result = connection.execute(_INSERT, _params(runs))
+    return [(r[0], None, None) for r in result]
 
 
 def _key(run: PreparedRun) -> _Key | None:

@@ -38,6 +38,7 @@ from typing import Any
 from sqla_outbox import envelope, errors, metrics, tracing
 from sqla_outbox.logging import log_extra, short_handle
 from sqla_outbox.worker import execute, runs
+from sqla_outbox.worker.context import bounded_detail
 from sqla_outbox.worker.flight import InFlight
 from sqla_outbox.worker.outcome import backoff_seconds, utc_now_text
 from sqla_outbox.worker.registry import TaskDefinition
@@ -200,7 +201,7 @@ async def _execute(
     limit: int,
 ) -> None:
     timeout = definition.effective_timeout()
-    ctx = execute.make_context(env, attempt, definition, queue=flight.queue)
+    ctx = execute.make_context(env, attempt, definition, queue=flight.queue, settings=runtime.settings)
     flight.ctx = ctx
     payload = env.payload
     started = time.perf_counter()
@@ -285,7 +286,9 @@ async def _transient(
     failure = runs.Failure.from_exception(exc, trace)
     moved = await runtime.io(
         runtime.in_transaction,
-        lambda conn: runs.mark_retrying(conn, attempt, failure, backoff_seconds=seconds),
+        lambda conn: runs.mark_retrying(
+            conn, attempt, failure, backoff_seconds=seconds, detail=_handler_detail(flight)
+        ),
     )
     if not moved:
         await _reconcile_lost(runtime, flight)
@@ -316,7 +319,8 @@ async def _fail(
 ) -> None:
     failure = runs.Failure.from_exception(exc, trace)
     moved = await runtime.io(
-        runtime.in_transaction, lambda conn: runs.mark_failed(conn, attempt, failure, reason=reason)
+        runtime.in_transaction,
+        lambda conn: runs.mark_failed(conn, attempt, failure, reason=reason, detail=_handler_detail(flight)),
     )
     if not moved:
         await _reconcile_lost(runtime, flight)
@@ -443,6 +447,11 @@ async def give_back(runtime: Runtime, flight: InFlight, *, reason: str, hide_sec
             hide_s=hide,
         )
         await runtime.io(runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
+
+
+def _handler_detail(flight: InFlight) -> dict[str, Any] | None:
+    """What the handler put in ``ctx.trail_detail`` (bounded), for the trail row."""
+    return bounded_detail(flight.ctx.trail_detail) if flight.ctx is not None else None
 
 
 def attempt_task(flight: InFlight) -> str:

@@ -27,7 +27,7 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from sqla_outbox import errors, maintenance
+from sqla_outbox import errors, maintenance, webhooks
 from sqla_outbox.catalog import Catalog, Scope, TaskSpec
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.types import QUEUE_NAMES
@@ -156,6 +156,47 @@ class Registry:
                 description=spec.description,
             )(handler)
 
+    def webhook_events(
+        self, *events: str, queue: str | None = None, retry: RetryPolicy | None = None
+    ) -> None:
+        """Declare webhook events: publishing one schedules a delivery to each subscribed,
+        enabled endpoint of the tenant (``docs/webhooks.md``).
+
+        Registers the built-in task ``webhooks.deliver`` (once; later calls add events) as
+        a subscriber of ``events``, so the catalog written from this registry marks them.
+
+        Args:
+            *events: Event names.
+            queue: Queue of the deliveries (default ``default``; set on the first call).
+            retry: Retry policy of the deliveries (default: backoff from 60 s, doubling,
+                capped at 1 h; ``max_receives`` from the worker settings).
+
+        Raises:
+            ConfigurationError: A bad event name or queue, or a different queue or retry
+                policy than an earlier call gave.
+        """
+        spec = webhooks.WEBHOOK_SPEC
+        existing = self.tasks.get(spec.name)
+        if existing is not None and (
+            (queue is not None and queue != existing.queue) or (retry is not None and retry != existing.retry)
+        ):
+            raise errors.ConfigurationError(
+                f"{spec.name} is already registered with queue {existing.queue!r} and {existing.retry}",
+                option="webhook_events",
+            )
+        subscribes = [*(existing.subscribes if existing else ()), *(e for e in events)]
+        if existing is not None:
+            del self.tasks[spec.name]  # registered again below with the added events
+        self.task(
+            spec.name,
+            queue=existing.queue if existing else (queue or spec.queue),
+            scope=spec.scope,
+            timeout_seconds=spec.timeout_seconds,
+            retry=existing.retry if existing else (retry or WEBHOOK_RETRY),
+            subscribes=dict.fromkeys(subscribes),
+            description=spec.description,
+        )(_deliver_webhook)
+
     def task(
         self,
         name: str,
@@ -266,7 +307,8 @@ class Registry:
                 asyncio support needs, cannot be imported.
         """
         queues = tuple(queues)
-        own = [d for d in self.tasks.values() if d.name not in maintenance.BUILTIN_TASKS]
+        builtin = {*maintenance.BUILTIN_TASKS, webhooks.WEBHOOK_TASK}
+        own = [d for d in self.tasks.values() if d.name not in builtin]
         if not own and any(queue != "maintenance" for queue in queues):
             raise errors.ConfigurationError(
                 "no task handlers are registered: name your task modules (e.g. --imports "
@@ -313,7 +355,19 @@ class Registry:
         return Catalog.build([d.spec() for d in self.tasks.values()], events)
 
 
+WEBHOOK_RETRY = RetryPolicy(backoff_base_seconds=60, backoff_max_seconds=3600)
+"""Default retry policy of webhook deliveries: 1 min, 2 min, 4 min, 8 min (with jitter)."""
+
+
+def _deliver_webhook(payload: Any, ctx: Any) -> None:
+    """The ``webhooks.deliver`` handler (httpx is imported only by workers that deliver)."""
+    from sqla_outbox.worker.webhook_delivery import deliver
+
+    deliver(payload, ctx)
+
+
 registry = Registry.with_builtins()
 """The default registry that :func:`task` registers into (built-in tasks included)."""
 
 task = registry.task
+webhook_events = registry.webhook_events

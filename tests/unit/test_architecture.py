@@ -60,6 +60,8 @@ def test_every_contract_is_kept() -> None:
         ("relay/claim.py", "import redis as _redis", "Only the wake module"),
         # a terminal library below the commands
         ("ops/status.py", "import rich as _rich", "Nothing below the commands"),
+        # an HTTP client outside the worker (webhook deliveries are worker-side only)
+        ("relay/send.py", "import httpx as _httpx", "Only the worker (sqla_outbox.worker) imports httpx"),
     ],
 )
 def test_a_deliberate_break_fails_the_check(tmp_path: Path, module: str, added: str, broken: str) -> None:
@@ -76,7 +78,12 @@ def test_the_forbidden_import_contracts_name_every_top_level_module() -> None:
     """A new top-level module must be listed, or it would escape the forbidden-import checks."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
     top_level = {f"sqla_outbox.{m.name}" for m in pkgutil.iter_modules(sqla_outbox.__path__)}
-    allowed_owner = {"boto3": "sqla_outbox.sqs", "redis": "sqla_outbox.wakeup", "terminal": "sqla_outbox.cli"}
+    allowed_owner = {
+        "boto3": "sqla_outbox.sqs",
+        "redis": "sqla_outbox.wakeup",
+        "terminal": "sqla_outbox.cli",
+        "httpx": "sqla_outbox.worker",
+    }
     contracts = {c["id"]: c for c in config["contracts"]}
     for contract_id, owner in allowed_owner.items():
         listed = set(contracts[contract_id]["source_modules"])
