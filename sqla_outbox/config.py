@@ -169,6 +169,12 @@ class OutboxSettings:
         1.0, "How often a standby relay tries to take the advisory lock.", unit="s"
     )
     relay_scheduler: bool = _setting(True, "Run the recurring-task scheduler inside the active relay.")
+    relay_hold_unserved: bool = _setting(
+        True,
+        "Keep due runs pending in the outbox while no live worker implements their task on "
+        "their queue (rolling deploys; workers record what they implement in "
+        "`worker_presence`). Off: send everything, as before workers recorded presence.",
+    )
 
     # --- worker --------------------------------------------------------------------------
     worker_queues: tuple[str, ...] = _setting(

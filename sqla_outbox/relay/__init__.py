@@ -19,6 +19,8 @@ Between passes the relay waits for whichever comes first:
   out on time rather than at the next sweep;
 * the sweep interval (``relay_sweep_interval_seconds``), the guarantee when wakes are lost;
 * none at all when the last pass was full: a backlog drains at the queue's speed;
+* (rows of a task that no live worker implements are held pending instead of sent:
+  :mod:`sqla_outbox.relay.hold`, ``relay_hold_unserved``);
 * the next slot of a scheduled task (:mod:`sqla_outbox.relay.schedule`), which the active
   relay dispatches itself.
 
@@ -45,6 +47,7 @@ from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
 from sqla_outbox.relay import claim
+from sqla_outbox.relay.hold import Holder
 from sqla_outbox.relay.schedule import Scheduler
 from sqla_outbox.relay.send import Sender, SendResult
 from sqla_outbox.wakeup import WakeListener
@@ -60,6 +63,7 @@ class PassResult:
 
     Attributes:
         claimed: Rows claimed. sent: Rows SQS accepted. failed: Rows backed off.
+        held: Rows kept pending because no live worker implements their task.
         full: Some table returned a full batch (more may be waiting).
         leader: This relay held the leadership lock for the pass. False only from
             :meth:`Relay.run_once` when another relay is active: nothing was done (that
@@ -69,6 +73,7 @@ class PassResult:
     claimed: int = 0
     sent: int = 0
     failed: int = 0
+    held: int = 0
     full: bool = False
     leader: bool = True
 
@@ -168,6 +173,7 @@ class Relay:
         self._thread: threading.Thread | None = None
         self.scheduler = _make_scheduler(settings, catalog)
         self._next_slot_at: float | None = None
+        self.holder = Holder() if settings.relay_hold_unserved else None
 
     # --- public control ------------------------------------------------------------------
     @property
@@ -356,6 +362,11 @@ class Relay:
                 claimed = claim.claim(connection, table, limit=limit)
                 result.full = result.full or len(claimed) == limit
                 rows.extend(claimed)
+            if self.holder is not None:
+                self.holder.refresh(connection)
+                sendable = self.holder.split(connection, rows) if rows else rows
+                result.held = len(rows) - len(sendable)
+                rows = sendable
             if not rows:
                 return result
             outcome: SendResult = self.sender.send(rows)

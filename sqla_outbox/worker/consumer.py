@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from sqla_outbox import errors, metrics
+from sqla_outbox import errors, metrics, presence
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
@@ -224,6 +224,7 @@ class Worker:
             heartbeat_loop(self.runtime, lambda: list(self.in_flight.values())), name="heartbeat"
         )
         ticker = asyncio.create_task(self._tick(), name="liveness")
+        present = asyncio.create_task(self._presence_loop(), name="presence")
         self.ready = True
         logger.info(
             "worker started",
@@ -236,7 +237,7 @@ class Worker:
             ),
         )
         await self._stop_event.wait()
-        await self._shutdown(receivers, heartbeat, ticker)
+        await self._shutdown(receivers, heartbeat, ticker, present)
 
     async def _resolve_queues_patiently(self) -> bool:
         """Look up queue URLs and visibility timeouts; wait out an unreachable endpoint.
@@ -316,6 +317,34 @@ class Worker:
                     "or lower max_receives",
                     option="SQLA_OUTBOX_WORKER_MAX_RECEIVES",
                 )
+
+    # --- presence (rolling deploys: sqla_outbox.presence) ----------------------------------
+    def _record_presence(self, first: bool) -> None:
+        tasks, queues = list(self.registry.tasks), list(self.queues)
+        with self.engine.begin() as connection:
+            if first:
+                presence.register(connection, worker_id=self.worker_id, tasks=tasks, queues=queues)
+            else:
+                presence.beat(connection, worker_id=self.worker_id, tasks=tasks, queues=queues)
+
+    async def _presence_loop(self) -> None:
+        """Record the tasks this worker implements, then renew the heartbeat; a failure is
+        logged and retried at the next beat (the row simply ages meanwhile)."""
+        first = True
+        while not self.stopping:
+            try:
+                await self.io(self._record_presence, first)
+                first = False
+            except Exception as exc:
+                logger.warning(
+                    "could not record worker presence; retrying",
+                    extra=log_extra(action="worker.presence_failed", error_type=type(exc).__name__),
+                )
+            await asyncio.sleep(presence.PRESENCE_INTERVAL_SECONDS)
+
+    def _forget_presence(self) -> None:
+        with self.engine.begin() as connection:
+            presence.unregister(connection, worker_id=self.worker_id)
 
     async def _tick(self) -> None:
         while True:
@@ -445,6 +474,13 @@ class Worker:
     async def _shutdown(self, receivers: list[asyncio.Task[None]], *others: asyncio.Task[None]) -> None:
         self.stopping = True
         self.ready = False
+        try:  # at once: the relay stops sending this worker's tasks if nobody else has them
+            await self.io(self._forget_presence)
+        except Exception as exc:
+            logger.warning(
+                "could not remove worker presence",
+                extra=log_extra(action="worker.presence_failed", error_type=type(exc).__name__),
+            )
         logger.info(
             "worker stopping",
             extra=log_extra(
