@@ -357,17 +357,19 @@ class Relay:
         result = PassResult()
         limit = self.settings.relay_batch_size
         with connection.begin():
+            if self.holder is not None:
+                self.holder.refresh(connection)  # first: rows it releases are claimed below
             rows = []
             for table in claim.TABLES:
                 claimed = claim.claim(connection, table, limit=limit)
                 result.full = result.full or len(claimed) == limit
                 rows.extend(claimed)
             if self.holder is not None:
-                self.holder.refresh(connection)
                 sendable = self.holder.split(connection, rows) if rows else rows
                 result.held = len(rows) - len(sendable)
                 rows = sendable
             if not rows:
+                result.claimed = result.held
                 return result
             outcome: SendResult = self.sender.send(rows)
             for table in claim.TABLES:
@@ -379,7 +381,8 @@ class Relay:
                     base_seconds=self.settings.relay_backoff_base_seconds,
                     max_seconds=self.settings.relay_backoff_max_seconds,
                 )
-        result.claimed, result.sent, result.failed = len(rows), len(outcome.sent), len(outcome.failed)
+        result.claimed = len(rows) + result.held
+        result.sent, result.failed = len(outcome.sent), len(outcome.failed)
         self.counters.passes += 1
         self.counters.sent += result.sent
         self.counters.failed += result.failed

@@ -103,6 +103,10 @@ class Holder:
             )
         return released
 
+    def reread_soon(self) -> None:
+        """Re-read the live workers at the next pass (instead of within two seconds)."""
+        self._refreshed_at = float("-inf")
+
     def split(self, connection: Connection, rows: Sequence[ClaimedRow]) -> list[ClaimedRow]:
         """Hold the rows no live worker can run; return the others (to send).
 

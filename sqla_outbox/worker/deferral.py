@@ -211,8 +211,8 @@ def defer_run(
     row = connection.execute(_ROW[table], {"run_id": run_id, "document": document}).one_or_none()
     if row is not None and not row.same:
         return _not(runs.ClaimStatus.MISMATCH, run)
-    if row is not None and row.sent_at is None:
-        return DeferResult(DeferStatus.ALREADY_PENDING)
+    if row is not None and row.sent_at is None and not ours:
+        return DeferResult(DeferStatus.ALREADY_PENDING)  # a copy of a run deferred already
     deferrals = int(run.deferrals)
     seconds = delay_seconds(deferrals) if callable(delay_seconds) else delay_seconds
     seconds = min(max(float(seconds), 0.0), 43_200.0)
