@@ -87,6 +87,15 @@ class Holder:
         self._refreshed_at = now
         before = self.coverage
         self.coverage = presence.Coverage.of(presence.live_workers(connection))
+        if (before.workers, before.pairs) != (self.coverage.workers, self.coverage.pairs):
+            logger.info(
+                "live workers changed",
+                extra=log_extra(
+                    action="relay.workers",
+                    workers=self.coverage.workers,
+                    tasks=len({task for task, _ in self.coverage.pairs}),
+                ),
+            )
         if before.workers == 0:
             return 0  # nothing was held while no worker was known
         new = sorted(self.coverage.pairs - before.pairs)
