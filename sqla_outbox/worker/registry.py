@@ -294,7 +294,7 @@ class Registry:
 
         Returns:
             Warnings: a consumed queue no registered task routes to (any message on it
-            would be dead-lettered as ``unknown-task``); a task's or the worker's
+            would be handed back to the outbox, never run); a task's or the worker's
             ``max_receives`` not below the ``max_receive_count`` setting (SQS would move
             messages to the DLQ before the worker records a verdict). The worker refuses
             that conflict at start against each queue's actual ``RedrivePolicy``, which
@@ -312,7 +312,7 @@ class Registry:
         if not own and any(queue != "maintenance" for queue in queues):
             raise errors.ConfigurationError(
                 "no task handlers are registered: name your task modules (e.g. --imports "
-                "myapp.tasks); without them every message would go to the DLQ as unknown-task",
+                "myapp.tasks); without them no message would ever run (each is handed back to the outbox)",
                 option="--imports / SQLA_OUTBOX_WORKER_IMPORTS",
             )
         warnings = []
@@ -341,7 +341,7 @@ class Registry:
                 )
         served = {d.queue for d in self.tasks.values()}
         return warnings + [
-            f"no registered task uses queue {queue!r}: its messages would go to the DLQ as unknown-task"
+            f"no registered task uses queue {queue!r}: this worker would hand its messages back to the outbox"
             for queue in queues
             if queue not in served
         ]
