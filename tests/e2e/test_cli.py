@@ -303,6 +303,7 @@ def test_relay_once_reports_that_another_relay_is_active(
             "claimed": 0,
             "sent": 0,
             "failed": 0,
+            "held": 0,
             "full": False,
             "leader": False,
         }
@@ -318,4 +319,11 @@ def test_relay_once_reports_that_another_relay_is_active(
         leader.commit()
     done = cli("relay", "--once", "--json", env=env)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"claimed": 1, "sent": 1, "failed": 0, "full": False, "leader": True}
+    assert json.loads(done.stdout) == {
+        "claimed": 1,
+        "sent": 1,
+        "failed": 0,
+        "held": 0,
+        "full": False,
+        "leader": True,
+    }
