@@ -187,15 +187,20 @@ class Registry:
         subscribes = [*(existing.subscribes if existing else ()), *(e for e in events)]
         if existing is not None:
             del self.tasks[spec.name]  # registered again below with the added events
-        self.task(
-            spec.name,
-            queue=existing.queue if existing else (queue or spec.queue),
-            scope=spec.scope,
-            timeout_seconds=spec.timeout_seconds,
-            retry=existing.retry if existing else (retry or WEBHOOK_RETRY),
-            subscribes=dict.fromkeys(subscribes),
-            description=spec.description,
-        )(_deliver_webhook)
+        try:
+            self.task(
+                spec.name,
+                queue=existing.queue if existing else (queue or spec.queue),
+                scope=spec.scope,
+                timeout_seconds=spec.timeout_seconds,
+                retry=existing.retry if existing else (retry or WEBHOOK_RETRY),
+                subscribes=dict.fromkeys(subscribes),
+                description=spec.description,
+            )(_deliver_webhook)
+        except errors.ConfigurationError:
+            if existing is not None:  # a bad name: the earlier declaration stands
+                self.tasks[spec.name] = existing
+            raise
 
     def task(
         self,
@@ -307,8 +312,9 @@ class Registry:
                 asyncio support needs, cannot be imported.
         """
         queues = tuple(queues)
-        builtin = {*maintenance.BUILTIN_TASKS, webhooks.WEBHOOK_TASK}
-        own = [d for d in self.tasks.values() if d.name not in builtin]
+        # (webhooks.deliver counts as the application's: it exists only once a task module
+        # declared webhook events, so a webhook-only worker is a real worker)
+        own = [d for d in self.tasks.values() if d.name not in maintenance.BUILTIN_TASKS]
         if not own and any(queue != "maintenance" for queue in queues):
             raise errors.ConfigurationError(
                 "no task handlers are registered: name your task modules (e.g. --imports "
