@@ -142,15 +142,7 @@ def test_runs_that_are_not_ours_or_not_waiting_are_not_deferred(
     assert defer(engine, env, task="audit").claim.status is runs.ClaimStatus.MISMATCH
     assert defer(engine, env, run_id=uuid.uuid4()).claim.status is runs.ClaimStatus.NOT_FOUND
     with engine.begin() as conn:  # another worker is running it
-        claim = runs.take_lease(
-            conn,
-            run_id=run_id,
-            task=env.task,
-            tenant_id=3,
-            worker_id="new",
-            lease_seconds=60,
-            receive_count=1,
-        )
+        claim = lease(conn, run_id, env.task, 3, "new")
     leased = defer(engine, env).claim
     assert leased.status is runs.ClaimStatus.LEASED and leased.lease_remaining_seconds > 50
     with engine.begin() as conn:
@@ -167,15 +159,7 @@ def test_a_leased_attempt_can_defer_itself_without_counting(
     run_id = dispatch(app, "audit")
     env = received_document(engine, run_id)
     with engine.begin() as conn:
-        claim = runs.take_lease(
-            conn,
-            run_id=run_id,
-            task="audit",
-            tenant_id=None,
-            worker_id="w",
-            lease_seconds=60,
-            receive_count=1,
-        )
+        claim = lease(conn, run_id, "audit", None, "w")
     assert defer(engine, env, attempt=claim.attempt, reason="rate-limit").status is DeferStatus.DEFERRED
     run = run_row(engine, run_id)
     assert (run.status, run.attempts, run.lease_owner, run.lease_expires_at) == ("queued", 0, None, None)
