@@ -296,3 +296,20 @@ def test_events_can_be_checked_against_the_catalog(catalog: Catalog) -> None:
     webhooks.new_endpoint(tenant_id=1, url="https://a.example", events=["order.paid"], catalog=catalog)
     with pytest.raises(errors.InvalidEndpoint, match=r"'user\.created' is not a webhook event"):
         webhooks.new_endpoint(tenant_id=1, url="https://a.example", events=["user.created"], catalog=catalog)
+
+
+def test_assert_published_counts_subscribers_not_deliveries(
+    app: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    from sqla_outbox.testing import assert_dispatched, assert_published
+
+    add_endpoints(
+        app,
+        webhooks.new_endpoint(tenant_id=1, url="https://a.example", events=["order.paid"]),
+        webhooks.new_endpoint(tenant_id=1, url="https://b.example", events=["order.paid"]),
+    )
+    with app() as session, session.begin():
+        session.add(Publish("order.paid", {"order_id": 5}, tenant_id=1))
+    assert_published(engine, "order.paid", payload={"order_id": 5}, subscribers=["send_welcome"], count=1)
+    deliveries = assert_dispatched(engine, "webhooks.deliver", tenant_id=1)
+    assert len(deliveries) == 2
