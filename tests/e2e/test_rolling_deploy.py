@@ -82,8 +82,8 @@ def test_an_old_worker_leaves_a_new_task_to_a_new_worker_without_spending_anythi
     app: sessionmaker[Session], engine: sa.Engine, services: Any, sqs: Any, queues: dict[str, str]
 ) -> None:
     """The relay sends regardless (holding off): the old worker receives the run, has no
-    handler, and defers it to the outbox again and again; the new worker then runs it
-    once, from a fresh message."""
+    handler, and defers it to the outbox again and again; a new worker starts, the old one
+    is stopped (a rolling deploy), and the new worker runs it once, from a fresh message."""
     services("relay", SQLA_OUTBOX_RELAY_HOLD_UNSERVED="false")
     old = services("worker", OLD)
     run_id = dispatch(app, "send_welcome")
@@ -96,7 +96,8 @@ def test_an_old_worker_leaves_a_new_task_to_a_new_worker_without_spending_anythi
     assert all(t.receive_count == 1 for t in deferrals)  # each time a fresh message, received once
 
     services("worker", NEW)
-    wait_for(lambda: run_row(engine, run_id).status == "succeeded", timeout=60)
+    assert old.terminate() == 0  # (while both run, either may receive it: the old one defers again)
+    wait_for(lambda: run_row(engine, run_id).status == "succeeded", timeout=90)
     run = run_row(engine, run_id)
     assert run.attempts == 1
     [running] = [t for t in trail(engine, run_id) if t.status == "running"]
