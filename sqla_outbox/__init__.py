@@ -18,8 +18,9 @@ sqla_outbox.worker`` runs the handlers. The API process imports neither.
 
 Layers, top to bottom (``docs/architecture.md``; checked by ``lint-imports``): ``cli`` →
 ``health | testing | ops`` → ``worker`` → ``relay`` → ``maintenance | events | migrations
-| sqs`` → ``write | wakeup | models`` → ``dispatch`` → ``envelope | catalog`` →
-``config | metrics | tracing | logging`` → ``errors | types``.
+| sqs | webhooks | presence`` → ``write | wakeup | models`` → ``dispatch`` →
+``webhook_fanout`` → ``envelope | catalog`` → ``config | metrics | tracing | logging`` →
+``errors | types``.
 """
 
 from __future__ import annotations

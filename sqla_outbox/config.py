@@ -184,6 +184,12 @@ class OutboxSettings:
         1.0, "How often a standby relay tries to take the advisory lock.", unit="s"
     )
     relay_scheduler: bool = _setting(True, "Run the recurring-task scheduler inside the active relay.")
+    relay_hold_unserved: bool = _setting(
+        True,
+        "Keep due runs pending in the outbox while no live worker implements their task on "
+        "their queue (rolling deploys; workers record what they implement in "
+        "`worker_presence`). Off: send everything, as before workers recorded presence.",
+    )
 
     # --- worker --------------------------------------------------------------------------
     worker_queues: tuple[str, ...] = _setting(
@@ -226,6 +232,21 @@ class OutboxSettings:
         "Port of the HTTP probe (`/livez`, `/readyz`, `/metrics`) for relay and worker. "
         "Unset: no HTTP server.",
         aliases=("SQLA_OUTBOX_METRICS_PORT",),
+    )
+
+    # --- webhooks ------------------------------------------------------------------------
+    webhook_allowed_hosts: tuple[str, ...] = _setting(
+        (),
+        "Webhook destinations let through the SSRF guard although they are not public "
+        "addresses, comma-separated: host names as written in endpoint URLs (`localhost`, "
+        "`hooks.internal`) or IP addresses and networks (`127.0.0.1`, `10.1.2.0/24`). For "
+        "tests and internal receivers. Empty: deliveries reach public addresses only.",
+    )
+    webhook_timeout_seconds: float = _setting(
+        15.0,
+        "Per-attempt limit of a webhook delivery: connecting, sending and waiting for the "
+        "response each get at most this long (Standard Webhooks recommends 15 to 30 s).",
+        unit="s",
     )
 
     # --- maintenance ---------------------------------------------------------------------
@@ -594,6 +615,13 @@ def _validate(s: OutboxSettings) -> None:
     )
     if s.health_port is not None:
         _check(0 <= s.health_port <= 65535, "health_port", "must be a TCP port (0..65535)")
+    _check(0 < s.webhook_timeout_seconds <= 300, "webhook_timeout_seconds", "must be within 0..300 s (not 0)")
+    for entry in s.webhook_allowed_hosts:
+        _check(
+            re.fullmatch(r"[A-Za-z0-9._:/-]{1,253}", entry) is not None,
+            "webhook_allowed_hosts",
+            f"{entry!r} is not a host name, IP address or network",
+        )
     for name in ("purge_sent_after_days", "purge_succeeded_after_days", "purge_failed_after_days"):
         _check(getattr(s, name) >= 0, name, "must be >= 0")
     _check(s.purge_batch_size >= 1, "purge_batch_size", "must be >= 1")

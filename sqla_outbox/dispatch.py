@@ -20,14 +20,16 @@ import dataclasses
 import datetime as dt
 import re
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Column, Integer, MetaData, Table, event
 from sqlalchemy.orm import registry
 
 from sqla_outbox import envelope as envelope_mod
-from sqla_outbox import errors, tracing
+from sqla_outbox import errors, tracing, webhook_fanout
 from sqla_outbox.types import QUEUE_NAMES, JSONPayload
+from sqla_outbox.webhook_fanout import PreparedFanout
 
 if TYPE_CHECKING:
     from sqla_outbox.catalog import Catalog, TaskSpec
@@ -69,11 +71,15 @@ class PreparedRun:
     deduplicated: bool = False
 
 
+Prepared = PreparedRun | PreparedFanout
+"""What ``session.add`` prepares and the flush writes: a run, or a webhook event's fan-out."""
+
+
 class _Scheduled:
     """Shared validation and state of Dispatch and Publish."""
 
     _sqla_outbox_slot: Any
-    _prepared: list[PreparedRun] | None
+    _prepared: Sequence[Prepared] | None
 
     def _init_common(
         self,
@@ -161,10 +167,10 @@ class _Scheduled:
             source=self,
         )
 
-    def prepare(self, catalog: Catalog, *, max_message_bytes: int) -> list[PreparedRun]:
+    def prepare(self, catalog: Catalog, *, max_message_bytes: int) -> Sequence[Prepared]:
         raise NotImplementedError
 
-    def record_resolution(self, run: PreparedRun) -> None:
+    def record_resolution(self, run: Prepared) -> None:
         """Called after the write with the run's outcome (``run.resolved_run_id``)."""
 
 
@@ -253,7 +259,8 @@ class Dispatch(_Scheduled):
             )
         ]
 
-    def record_resolution(self, run: PreparedRun) -> None:
+    def record_resolution(self, run: Prepared) -> None:
+        assert isinstance(run, PreparedRun)
         self.resolved_run_id = run.resolved_run_id
         self.deduplicated = run.deduplicated
 
@@ -268,9 +275,16 @@ class Publish(_Scheduled):
     no subscribers writes nothing. Options mean what they mean for :class:`Dispatch` and
     apply to every subscriber's run (an idempotency key dedupes per subscriber task).
 
+    A *webhook event* (the catalog lists ``webhooks.deliver`` among its subscribers) also
+    schedules one delivery run per enabled endpoint of the tenant that subscribes to it,
+    in the same statement (``docs/webhooks.md``); it needs a ``tenant_id``.
+
     Attributes:
-        runs: After ``session.add``, ``{subscriber task: run_id}``.
+        runs: After ``session.add``, ``{subscriber task: run_id}`` (webhook deliveries
+            aside: their run ids exist only once the flush found the endpoints).
         resolved_run_ids: After flush, ``{subscriber task: run that will execute}``.
+        webhook_deliveries: After flush, ``{endpoint id: delivery run id}`` for the
+            deliveries the flush scheduled.
 
     Raises:
         InvalidDispatch, PayloadNotSerializable (at construction); UnknownEvent,
@@ -305,18 +319,45 @@ class Publish(_Scheduled):
     @property
     def resolved_run_ids(self) -> dict[str, uuid.UUID]:
         return {
-            run.task: run.resolved_run_id for run in self._prepared or [] if run.resolved_run_id is not None
+            run.task: run.resolved_run_id
+            for run in self._prepared or []
+            if isinstance(run, PreparedRun) and run.resolved_run_id is not None
         }
 
-    def prepare(self, catalog: Catalog, *, max_message_bytes: int) -> list[PreparedRun]:
-        """Check against the catalog and compute one run per subscriber.
+    @property
+    def webhook_deliveries(self) -> dict[int, uuid.UUID]:
+        deliveries: dict[int, uuid.UUID] = {}
+        for item in self._prepared or []:
+            if isinstance(item, PreparedFanout):
+                deliveries.update(item.run_ids)
+        return deliveries
+
+    def prepare(self, catalog: Catalog, *, max_message_bytes: int) -> list[Prepared]:
+        """Check against the catalog and compute one run per subscriber (one fan-out for
+        ``webhooks.deliver``).
 
         Raises:
             UnknownEvent, InvalidDispatch, EnvelopeTooLarge.
         """
-        prepared = []
+        prepared: list[Prepared] = []
         for task in catalog.subscribers(self.event):
             spec = catalog.task(task)
+            if task == webhook_fanout.WEBHOOK_TASK:
+                prepared.append(
+                    webhook_fanout.prepare(
+                        event=self.event,
+                        tenant_id=self.tenant_id,
+                        queue=spec.queue,
+                        payload_json=self.payload_json,
+                        idempotency_key=self.idempotency_key,
+                        delay=self.delay,
+                        available_at=self.available_at,
+                        trace=self.trace,
+                        source=self,
+                        max_message_bytes=max_message_bytes,
+                    )
+                )
+                continue
             run_id = self.runs.get(task) or uuid.uuid4()
             prepared.append(
                 self._prepare_run(
@@ -327,7 +368,7 @@ class Publish(_Scheduled):
                     max_message_bytes=max_message_bytes,
                 )
             )
-        self.runs = {run.task: run.run_id for run in prepared}
+        self.runs = {run.task: run.run_id for run in prepared if isinstance(run, PreparedRun)}
         return prepared
 
     def __repr__(self) -> str:

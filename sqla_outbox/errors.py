@@ -261,3 +261,56 @@ class AttemptTimeout(OutboxError):
     def __init__(self, timeout_seconds: float) -> None:
         self.timeout_seconds = timeout_seconds
         super().__init__(f"attempt exceeded its {timeout_seconds:g} s timeout")
+
+
+class InvalidEndpoint(OutboxError):
+    """A webhook endpoint setting is invalid (URL, events, secret, tenant).
+
+    Raised by :mod:`sqla_outbox.webhooks` when an endpoint is created or changed, before
+    anything reaches the database.
+
+    Attributes:
+        field: The endpoint field at fault (``url``, ``events``, ``secret``, ...).
+    """
+
+    code = "invalid-endpoint"
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"webhook endpoint {field}: {problem}")
+
+
+class WebhookRefused(PermanentError):
+    """A webhook delivery failed in a way that repeats on every attempt; it is not retried.
+
+    The destination was refused by the SSRF guard (not http(s), or an address that is not
+    public), or the receiver answered with a redirect or a 4xx status other than 429.
+
+    Attributes:
+        reason: ``destination-refused``, ``redirect`` or ``client-error``.
+    """
+
+    code = "webhook-refused"
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(f"{reason}: {message}")
+
+
+class WebhookFailed(OutboxError):
+    """A webhook delivery failed in a way another attempt may fix (a transient failure).
+
+    5xx and 429 responses, timeouts, refused or reset connections, and names that do not
+    resolve (yet). The run is retried with backoff; ``Retry-After`` is honoured through
+    :class:`Retry`.
+
+    Attributes:
+        reason: ``server-error``, ``rate-limited``, ``timeout``, ``connection`` or ``dns``.
+    """
+
+    code = "webhook-failed"
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(f"{reason}: {message}")

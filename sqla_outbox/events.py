@@ -54,7 +54,7 @@ from sqlalchemy.orm.session import SessionTransaction
 from sqla_outbox import errors
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
-from sqla_outbox.dispatch import Dispatch, PreparedRun, Publish
+from sqla_outbox.dispatch import Dispatch, Prepared, Publish
 from sqla_outbox.logging import log_extra
 from sqla_outbox.wakeup import Waker
 from sqla_outbox.write import write_runs
@@ -77,7 +77,7 @@ _HOOKS = (
 class _SessionState:
     """Per-session bookkeeping kept in ``session.info``."""
 
-    deferred: list[PreparedRun] = dataclasses.field(default_factory=list)
+    deferred: list[Prepared] = dataclasses.field(default_factory=list)
     written: dict[SessionTransaction, int] = dataclasses.field(default_factory=dict)
     released: set[SessionTransaction] = dataclasses.field(default_factory=set)
 

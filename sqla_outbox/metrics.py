@@ -66,3 +66,15 @@ DLQ_SENDS = Counter(
     "sqla_outbox_worker_dlq_sends", "Messages the worker sent to a dead-letter queue.", ["queue", "reason"]
 )
 IN_FLIGHT = Gauge("sqla_outbox_worker_in_flight", "Messages being handled right now.")
+
+# --- holding work back (rolling deploys) ------------------------------------------------
+RELAY_HELD = Counter(
+    "sqla_outbox_relay_held_total",
+    "Due outbox rows the relay kept pending because no live worker implements their task.",
+    ["task"],
+)
+RUNS_DEFERRED = Counter(
+    "sqla_outbox_runs_deferred_total",
+    "Runs a worker handed back to the outbox instead of running them (no attempt spent).",
+    ["task", "reason"],
+)

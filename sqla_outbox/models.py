@@ -12,6 +12,8 @@ Tables:
 * ``platform_outbox_messages`` — work without a tenant (platform, system, schedules).
 * ``task_runs`` — one row per run: status, attempts, lease, last error.
 * ``task_run_trail`` — one row per status change or error of a run.
+* ``webhook_endpoints`` — per tenant: where webhook events are delivered, and how signed.
+* ``worker_presence`` — the running workers, the tasks they implement and their heartbeat.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
@@ -34,9 +37,10 @@ from sqlalchemy import (
     MetaData,
     Table,
     Text,
+    func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES, UNFINISHED_STATUSES
@@ -250,10 +254,85 @@ class TaskRunTrail(Base):
     __table_args__ = (Index("task_run_trail_run_id_idx", "run_id", "id"),)
 
 
+class WebhookEndpoint(Base):
+    """Where a tenant's webhook events are delivered, and how they are signed.
+
+    Create and change endpoints with :mod:`sqla_outbox.webhooks` (it checks URLs and
+    events, generates and rotates secrets); query them like any mapped class, with a
+    ``Session`` or an ``AsyncSession``.
+
+    Columns:
+        id: bigint identity; the ``endpoint_id`` a delivery run carries.
+        tenant_id: The tenant whose published events go here (no foreign key, like
+            ``task_runs``).
+        url: ``http://`` or ``https://`` URL the events are POSTed to; read at every
+            attempt, so an edit applies to deliveries already scheduled.
+        events: Webhook events (catalog names) this endpoint receives.
+        secrets: Signing secrets, newest first: ``[{"secret": "whsec_...", "created_at":
+            ISO 8601, "expires_at": ISO 8601 or null}]``. The newest signs; an older one
+            also signs until its ``expires_at`` (rotation). CHECKed to be a non-empty array.
+        enabled: False: nothing is scheduled, and scheduled deliveries are not sent.
+        description: Free text for humans.
+        created_at / updated_at: ``clock_timestamp()``; ``updated_at`` is set by the ORM
+            on every change.
+    """
+
+    __tablename__ = "webhook_endpoints"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(BigInteger)
+    url: Mapped[str] = mapped_column(Text)
+    events: Mapped[list[str]] = mapped_column(ARRAY(Text), server_default=text("'{}'::text[]"))
+    secrets: Mapped[list[dict[str, Any]]] = mapped_column(JSONB)
+    enabled: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
+    description: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+    updated_at: Mapped[dt.datetime] = mapped_column(
+        TIMESTAMPTZ, server_default=CLOCK, onupdate=func.clock_timestamp()
+    )
+
+    __table_args__ = (
+        CheckConstraint(
+            "jsonb_typeof(secrets) = 'array' AND jsonb_array_length(secrets) >= 1", name="secrets"
+        ),
+        Index("webhook_endpoints_tenant_id_idx", "tenant_id", postgresql_where=text("enabled")),
+    )
+
+    def __repr__(self) -> str:  # never shows the secrets
+        return (
+            f"WebhookEndpoint(id={self.id}, tenant_id={self.tenant_id}, events={self.events}, "
+            f"enabled={self.enabled})"
+        )
+
+
+class WorkerPresence(Base):
+    """A running worker: what it can run, and when it last said it was alive.
+
+    Written by the worker (at start, every ``PRESENCE_INTERVAL_SECONDS``, removed at a
+    clean stop); read by the relay and ``python -m sqla_outbox status`` (see
+    :mod:`sqla_outbox.presence`).
+
+    Columns:
+        worker_id: The worker's id (``<host>:<pid>`` by default).
+        tasks: Tasks it has handlers for. queues: Queues it consumes.
+        started_at: When it registered. heartbeat_at: Its last heartbeat (database clock).
+    """
+
+    __tablename__ = "worker_presence"
+
+    worker_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    tasks: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    queues: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    started_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+    heartbeat_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+
+
 outbox_messages: Table = OutboxMessage.__table__  # type: ignore[assignment]
 platform_outbox_messages: Table = PlatformOutboxMessage.__table__  # type: ignore[assignment]
 task_runs: Table = TaskRun.__table__  # type: ignore[assignment]
 task_run_trail: Table = TaskRunTrail.__table__  # type: ignore[assignment]
+webhook_endpoints: Table = WebhookEndpoint.__table__  # type: ignore[assignment]
+worker_presence: Table = WorkerPresence.__table__  # type: ignore[assignment]
 
 
 def set_tenant_foreign_key(target: str | Column[Any] | None) -> None:

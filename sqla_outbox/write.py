@@ -12,6 +12,14 @@ a flush costs one round trip whatever it holds.
 skewed application clock or a long transaction never shifts it, and the run row and the
 outbox row get the same value.
 
+A flush that publishes a webhook event uses a variant of the statement whose input also
+holds that event's deliveries, one per subscribed, enabled endpoint of the tenant, found
+by a join on ``webhook_endpoints`` (:mod:`sqla_outbox.webhook_fanout`); other flushes
+never read that table.
+
+With the PostgreSQL wake on (``wake_mode``), the statement also ends with one
+``pg_notify`` when it inserted a run, delivered to the relay only if the transaction commits.
+
 A run that did not insert resolved to an existing run: for an idempotency key, the
 unfinished run with the same task + tenant + key (looked up in a second statement, which
 sees runs committed while this one waited on the unique index); for a caller-chosen
@@ -28,9 +36,10 @@ from sqlalchemy import BigInteger, DateTime, Interval, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
 
-from sqla_outbox import errors
-from sqla_outbox.dispatch import PreparedRun
+from sqla_outbox import errors, webhook_fanout
+from sqla_outbox.dispatch import Prepared, PreparedRun
 from sqla_outbox.types import UNFINISHED_STATUSES, WAKE_CHANNEL
+from sqla_outbox.webhook_fanout import PreparedFanout
 
 _WAKE_CTE = f"""
 wake AS (SELECT pg_notify('{WAKE_CHANNEL}', '') FROM runs LIMIT 1)"""
@@ -40,28 +49,24 @@ commits (and folds identical ones of one transaction into one), so a rolled-back
 wakes nobody and a transaction of many flushes wakes the relay once. The function is
 volatile, so the CTE is not inlined; the final ``SELECT`` references it, so it runs."""
 
-_SELECT_RUNS = "SELECT run_id FROM runs"
-_SELECT_RUNS_AND_WAKE = "SELECT runs.run_id FROM runs LEFT JOIN wake ON true"
 
-
-def _finish(body: str, notify: bool) -> str:
-    """``body`` (CTEs ending with the ``runs`` one and others, no final SELECT) completed
-    with the final SELECT, plus the wake CTE when ``notify``."""
+def _finish(ctes: str, final_select: str, notify: bool) -> str:
+    """``ctes`` (``WITH ...`` up to and including the writing CTEs, no final SELECT)
+    completed with ``final_select`` (which reads ``runs``), plus the wake when ``notify``."""
     if notify:
-        return f"{body},{_WAKE_CTE}\n{_SELECT_RUNS_AND_WAKE}\n"
-    return f"{body}\n{_SELECT_RUNS}\n"
+        return f"{ctes.rstrip()},{_WAKE_CTE}\n{final_select} LEFT JOIN wake ON true\n"
+    return f"{ctes.rstrip()}\n{final_select}\n"
 
 
-_INSERT_MANY_BODY = """
-WITH input AS (
-    SELECT * FROM unnest(
+_RUN_ROWS = """unnest(
         CAST(:run_ids AS uuid[]), CAST(:tasks AS text[]), CAST(:events AS text[]),
         CAST(:queues AS text[]), CAST(:tenant_ids AS bigint[]), CAST(:keys AS text[]),
         CAST(:delays AS interval[]), CAST(:available_ats AS timestamptz[]),
         CAST(:envelopes AS text[])
     ) WITH ORDINALITY AS t(run_id, task, event, queue, tenant_id, idempotency_key,
-                           delay, available_at, envelope, ord)
-),
+                           delay, available_at, envelope, ord)"""
+
+_WRITES = """
 runs AS (
     INSERT INTO task_runs (run_id, task, event, queue, tenant_id, idempotency_key,
                            available_at)
@@ -84,21 +89,45 @@ platform_rows AS (
     FROM input AS i JOIN runs AS r ON r.run_id = i.run_id
     WHERE i.tenant_id IS NULL
     ORDER BY i.ord
-)"""
+)
+"""
 
+_RUN_BINDPARAMS = (
+    bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True))),
+    bindparam("tasks", type_=ARRAY(Text)),
+    bindparam("events", type_=ARRAY(Text)),
+    bindparam("queues", type_=ARRAY(Text)),
+    bindparam("tenant_ids", type_=ARRAY(BigInteger)),
+    bindparam("keys", type_=ARRAY(Text)),
+    bindparam("delays", type_=ARRAY(Interval)),
+    bindparam("available_ats", type_=ARRAY(DateTime(timezone=True))),
+    bindparam("envelopes", type_=ARRAY(Text)),
+)
 
-def _insert_many(notify: bool) -> Any:
-    return text(_finish(_INSERT_MANY_BODY, notify)).bindparams(
-        bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True))),
-        bindparam("tasks", type_=ARRAY(Text)),
-        bindparam("events", type_=ARRAY(Text)),
-        bindparam("queues", type_=ARRAY(Text)),
-        bindparam("tenant_ids", type_=ARRAY(BigInteger)),
-        bindparam("keys", type_=ARRAY(Text)),
-        bindparam("delays", type_=ARRAY(Interval)),
-        bindparam("available_ats", type_=ARRAY(DateTime(timezone=True))),
-        bindparam("envelopes", type_=ARRAY(Text)),
-    )
+_INSERT = {
+    notify: text(
+        _finish(
+            f"WITH input AS (SELECT * FROM {_RUN_ROWS}),{_WRITES}", "SELECT runs.run_id FROM runs", notify
+        )
+    ).bindparams(*_RUN_BINDPARAMS)
+    for notify in (False, True)
+}
+
+# A flush holding a webhook event: the same writes, with the event's deliveries (one per
+# subscribed, enabled endpoint of the tenant, found by a join) added to the input.
+_INSERT_WITH_WEBHOOKS = {
+    notify: text(
+        _finish(
+            f"WITH {webhook_fanout.FANOUT_CTES} input AS ("
+            "SELECT t.*, CAST(NULL AS bigint) AS endpoint_id, CAST(NULL AS bigint) AS fan_ord"
+            f" FROM {_RUN_ROWS}"
+            f" UNION ALL {webhook_fanout.FANOUT_INPUT}),{_WRITES}",
+            "SELECT r.run_id, i.endpoint_id, i.fan_ord FROM runs AS r JOIN input AS i USING (run_id)",
+            notify,
+        )
+    ).bindparams(*_RUN_BINDPARAMS, *webhook_fanout.BINDPARAMS)
+    for notify in (False, True)
+}
 
 
 def _insert_one(table: str, notify: bool) -> Any:
@@ -106,7 +135,7 @@ def _insert_one(table: str, notify: bool) -> Any:
     for the common one-dispatch flush: no array dumping, no unnest)."""
     tenant_column = "tenant_id, " if table == "outbox_messages" else ""
     tenant_value = ":tenant_id, " if table == "outbox_messages" else ""
-    body = f"""
+    ctes = f"""
 WITH runs AS (
     INSERT INTO task_runs (run_id, task, event, queue, tenant_id, idempotency_key, available_at)
     VALUES (:run_id, :task, :event, :queue, :tenant_id, :key,
@@ -118,7 +147,7 @@ rows AS (
     INSERT INTO {table} ({tenant_column}run_id, queue, envelope, available_at)
     SELECT {tenant_value}run_id, :queue, CAST(:envelope AS jsonb), available_at FROM runs
 )"""
-    return text(_finish(body, notify)).bindparams(
+    return text(_finish(ctes, "SELECT runs.run_id FROM runs", notify)).bindparams(
         bindparam("run_id", type_=UUID(as_uuid=True)),
         bindparam("tenant_id", type_=BigInteger),
         bindparam("delay", type_=Interval),
@@ -127,7 +156,6 @@ rows AS (
     )
 
 
-_INSERT = {notify: _insert_many(notify) for notify in (False, True)}
 _INSERT_ONE = {
     (table, notify): _insert_one(table, notify)
     for table in ("outbox_messages", "platform_outbox_messages")
@@ -154,23 +182,28 @@ _FIND_BY_ID = text("SELECT run_id, task, tenant_id FROM task_runs WHERE run_id =
 _Key = tuple[str, int | None, str]
 
 
-def write_runs(connection: Connection, runs: Sequence[PreparedRun], *, notify: bool = False) -> int:
-    """Insert ``runs`` and their outbox rows; set each run's ``resolved_run_id``.
+def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: bool = False) -> int:
+    """Insert the prepared runs and their outbox rows; set each run's ``resolved_run_id``.
 
     Args:
         connection: The flushing session's connection (inside its transaction).
-        runs: Prepared runs, in dispatch order.
+        prepared: Prepared runs in dispatch order, and the fan-outs of webhook events
+            (:class:`~sqla_outbox.webhook_fanout.PreparedFanout`), whose delivery runs are
+            written by the same statement.
         notify: Also ``NOTIFY`` the relay (the PostgreSQL wake, ``settings.wake_notify``),
             in the same statement when it inserts a run; delivered only if the transaction
             commits.
 
     Returns:
-        Number of outbox rows written (runs that did not resolve to an existing run).
+        Number of outbox rows written (runs that did not resolve to an existing run,
+        webhook deliveries included).
 
     Raises:
         sqlalchemy.exc.DBAPIError: From the database, e.g. a tenant foreign key
             violation; the session's transaction is then rolled back by SQLAlchemy.
     """
+    runs = [item for item in prepared if isinstance(item, PreparedRun)]
+    fanouts = [item for item in prepared if isinstance(item, PreparedFanout)]
     unique: list[PreparedRun] = []
     twins: list[tuple[PreparedRun, PreparedRun]] = []
     first_by_key: dict[_Key, PreparedRun] = {}
@@ -192,9 +225,17 @@ def write_runs(connection: Connection, runs: Sequence[PreparedRun], *, notify: b
     written = 0
     pending = unique
     for _ in range(3):
-        if not pending:
+        if not pending and not fanouts:
             break
-        inserted = {row[0] for row in _execute(connection, pending, notify)}
+        inserted = set()
+        for run_id, endpoint_id, fan_ord in _execute(connection, pending, fanouts, notify):
+            if endpoint_id is None:
+                inserted.add(run_id)
+            else:  # a webhook delivery (deduplicated ones are simply not inserted)
+                assert fan_ord is not None
+                fanouts[fan_ord - 1].run_ids[endpoint_id] = run_id
+                written += 1
+        fanouts = []  # written once; only ordinary runs may need another try
         written += len(inserted)
         missing = []
         for run in pending:
@@ -208,16 +249,23 @@ def write_runs(connection: Connection, runs: Sequence[PreparedRun], *, notify: b
     for run, earlier in twins:
         run.resolved_run_id = earlier.resolved_run_id
         run.deduplicated = True
-    for run in runs:
-        run.source.record_resolution(run)
+    for item in prepared:
+        item.source.record_resolution(item)
     return written
 
 
-def _execute(connection: Connection, runs: Sequence[PreparedRun], notify: bool) -> Any:
+def _execute(
+    connection: Connection, runs: Sequence[PreparedRun], fanouts: Sequence[PreparedFanout], notify: bool
+) -> list[tuple[uuid.UUID, int | None, int | None]]:
+    """Run the flush's statement; return ``(run_id, endpoint_id, fan_ord)`` per inserted run
+    (the last two set for webhook deliveries only)."""
+    if fanouts:
+        params = {**_params(runs), **webhook_fanout.params(fanouts, first_ord=len(runs))}
+        return [(r[0], r[1], r[2]) for r in connection.execute(_INSERT_WITH_WEBHOOKS[notify], params)]
     if len(runs) == 1:
         run = runs[0]
         table = "platform_outbox_messages" if run.tenant_id is None else "outbox_messages"
-        return connection.execute(
+        result = connection.execute(
             _INSERT_ONE[table, notify],
             {
                 "run_id": run.run_id,
@@ -231,7 +279,9 @@ def _execute(connection: Connection, runs: Sequence[PreparedRun], notify: bool) 
                 "envelope": run.envelope_json,
             },
         )
-    return connection.execute(_INSERT[notify], _params(runs))
+    else:
+        result = connection.execute(_INSERT[notify], _params(runs))
+    return [(r[0], None, None) for r in result]
 
 
 def _key(run: PreparedRun) -> _Key | None:

@@ -34,6 +34,17 @@ CATALOG: dict[str, Any] = {
     },
 }
 
+WEBHOOK_CATALOG: dict[str, Any] = {
+    **CATALOG,
+    "tasks": {**CATALOG["tasks"], "webhooks.deliver": {"queue": "default", "scope": "tenant"}},
+    "events": {
+        **CATALOG["events"],
+        "order.paid": {"subscribers": ["send_welcome", "webhooks.deliver"]},
+        "invoice.sent": {"subscribers": ["webhooks.deliver"]},
+    },
+}
+"""The test catalog plus two webhook events (``webhooks.deliver`` among their subscribers)."""
+
 AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",

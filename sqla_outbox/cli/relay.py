@@ -64,7 +64,10 @@ def relay_command(
             elif not result.leader:
                 click.echo("another relay is active; nothing done (it sends the pending rows)")
             else:
-                click.echo(f"claimed {result.claimed}, sent {result.sent}, failed {result.failed}")
+                line = f"claimed {result.claimed}, sent {result.sent}, failed {result.failed}"
+                if result.held:  # no live worker implements their task (docs/deployment.md)
+                    line += f", held {result.held} (no live worker implements their task)"
+                click.echo(line)
             return  # exit code 0 either way: the active relay does the work
         probe = None
         if settings.health_port is not None:

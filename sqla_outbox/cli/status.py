@@ -107,6 +107,7 @@ def _render_status(report: Any) -> None:
                 format_age(r.lease_expired_seconds_ago) + " ago",
             )
         out.print(shown)
+    _render_workers(out, report)
     if report.queues is not None:
         shown = table("SQS queues", ("queue", "SQS name", "kind", "visible", "in flight", "delayed"))
         for q in report.queues:
@@ -118,4 +119,28 @@ def _render_status(report: Any) -> None:
             if q.dead_letter and q.visible:
                 visible = styled(visible, "red")
             shown.add_row(q.queue, q.name, kind, visible, str(q.not_visible), str(q.delayed))
+        out.print(shown)
+
+
+def _render_workers(out: Any, report: Any) -> None:
+    """Live workers, and the tasks whose due runs no live worker implements."""
+    if report.workers:
+        shown = table("Workers", ("worker", "queues", "tasks", "heartbeat"))
+        for w in report.workers:
+            shown.add_row(
+                w.worker_id,
+                ",".join(w.queues),
+                str(len(w.tasks)),
+                format_age(w.heartbeat_age_seconds) + " ago",
+            )
+        out.print(shown)
+    else:
+        out.print("Workers: none recorded (runs are sent whatever their task)")
+    if report.waiting_for_a_worker:
+        shown = table(
+            "Waiting for a worker that implements the task (kept pending in the outbox)",
+            ("task", "queue", "due runs", "waiting for"),
+        )
+        for w in report.waiting_for_a_worker:
+            shown.add_row(styled(w.task, "red"), w.queue, str(w.pending), format_age(w.waited_seconds))
         out.print(shown)

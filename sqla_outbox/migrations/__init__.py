@@ -40,7 +40,14 @@ VERSION_TABLE = "sqla_outbox_alembic_version"
 
 _NONE = {"", "none", "null", "off"}
 
-OUTBOX_TABLES = ("outbox_messages", "platform_outbox_messages", "task_runs", "task_run_trail")
+OUTBOX_TABLES = (
+    "outbox_messages",
+    "platform_outbox_messages",
+    "task_runs",
+    "task_run_trail",
+    "webhook_endpoints",
+    "worker_presence",
+)
 """The tables the migrations create (the version table aside)."""
 
 
@@ -198,7 +205,7 @@ def current_revisions(target: Any) -> tuple[str, ...]:
 
 
 def head_revisions() -> tuple[str, ...]:
-    """The head revisions of the bundled migrations, sorted (``("sqlaob_0001",)`` today)."""
+    """The head revisions of the bundled migrations, sorted (``("sqlaob_0002",)`` today)."""
     from alembic.script import ScriptDirectory
 
     return tuple(sorted(ScriptDirectory.from_config(alembic_config()).get_heads()))

@@ -11,6 +11,10 @@ Four readings, each a small query or API call:
   dead worker's message comes back after one visibility timeout (the lease length), so a
   lease expired for much longer means the message is gone (deleted, or moved by the SQS
   redrive without the run being told). They are flagged, never changed;
+* **workers and the tasks waiting for one** (:mod:`sqla_outbox.presence`): the live
+  workers (what they implement, how fresh their heartbeat is) and the due pending runs
+  whose task no live worker implements on their queue (a rolling deploy in progress, or a
+  task no deployed code has), with how long the oldest has waited since it became due;
 * **SQS depths** (:func:`queue_depths`): ``ApproximateNumberOfMessages`` (visible),
   ``...NotVisible`` (in flight) and ``...Delayed`` for each source queue and DLQ. SQS
   documents these as approximate (eventually consistent, about a minute).
@@ -25,6 +29,7 @@ from typing import Any
 from sqlalchemy import Float, Integer, bindparam, text
 from sqlalchemy.engine import Connection
 
+from sqla_outbox import presence
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.sqs.client import error_code
 from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
@@ -154,6 +159,8 @@ class StatusReport:
         stale_running_count: How many ``running`` runs are stale.
         stale_running: Up to ``stale_limit`` of them, longest expired first.
         queues: Depth of every source queue and DLQ; None when SQS was not asked.
+        workers: Live workers (heartbeat within ``presence.PRESENCE_TTL_SECONDS``).
+        waiting_for_a_worker: Due pending runs no live worker implements, per task and queue.
     """
 
     database_time: dt.datetime
@@ -163,6 +170,8 @@ class StatusReport:
     stale_running_count: int
     stale_running: list[StaleRun]
     queues: list[QueueDepth] | None
+    workers: list[presence.LiveWorker] = dataclasses.field(default_factory=list)
+    waiting_for_a_worker: list[presence.WaitingTask] = dataclasses.field(default_factory=list)
 
 
 def pending_rows(connection: Connection) -> list[PendingRows]:
@@ -266,6 +275,7 @@ def collect(
     """
     database_time: dt.datetime = connection.execute(text("SELECT clock_timestamp()")).scalar_one()
     count, stale = stale_running(connection, stale_after_seconds=stale_after_seconds, limit=stale_limit)
+    workers = presence.live_workers(connection)
     return StatusReport(
         database_time=database_time,
         pending=pending_rows(connection),
@@ -274,4 +284,6 @@ def collect(
         stale_running_count=count,
         stale_running=stale,
         queues=None if client is None else queue_depths(client, settings),
+        workers=workers,
+        waiting_for_a_worker=presence.waiting_for_a_worker(connection, presence.Coverage.of(workers)),
     )

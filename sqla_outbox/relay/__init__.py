@@ -21,6 +21,8 @@ Between passes the relay waits for whichever comes first:
   out on time rather than at the next sweep;
 * the sweep interval (``relay_sweep_interval_seconds``), the guarantee when wakes are lost;
 * none at all when the last pass was full: a backlog drains at the queue's speed;
+* (rows of a task that no live worker implements are held pending instead of sent:
+  :mod:`sqla_outbox.relay.hold`, ``relay_hold_unserved``);
 * the next slot of a scheduled task (:mod:`sqla_outbox.relay.schedule`), which the active
   relay dispatches itself.
 
@@ -47,6 +49,7 @@ from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
 from sqla_outbox.relay import claim
+from sqla_outbox.relay.hold import Holder
 from sqla_outbox.relay.listen import NotifyListener
 from sqla_outbox.relay.schedule import Scheduler
 from sqla_outbox.relay.send import Sender, SendResult
@@ -63,6 +66,7 @@ class PassResult:
 
     Attributes:
         claimed: Rows claimed. sent: Rows SQS accepted. failed: Rows backed off.
+        held: Rows kept pending because no live worker implements their task.
         full: Some table returned a full batch (more may be waiting).
         leader: This relay held the leadership lock for the pass. False only from
             :meth:`Relay.run_once` when another relay is active: nothing was done (that
@@ -72,6 +76,7 @@ class PassResult:
     claimed: int = 0
     sent: int = 0
     failed: int = 0
+    held: int = 0
     full: bool = False
     leader: bool = True
 
@@ -171,6 +176,7 @@ class Relay:
         self._thread: threading.Thread | None = None
         self.scheduler = _make_scheduler(settings, catalog)
         self._next_slot_at: float | None = None
+        self.holder = Holder() if settings.relay_hold_unserved else None
 
     # --- public control ------------------------------------------------------------------
     @property
@@ -357,12 +363,19 @@ class Relay:
         result = PassResult()
         limit = self.settings.relay_batch_size
         with connection.begin():
+            if self.holder is not None:
+                self.holder.refresh(connection)  # first: rows it releases are claimed below
             rows = []
             for table in claim.TABLES:
                 claimed = claim.claim(connection, table, limit=limit)
                 result.full = result.full or len(claimed) == limit
                 rows.extend(claimed)
+            if self.holder is not None:
+                sendable = self.holder.split(connection, rows) if rows else rows
+                result.held = len(rows) - len(sendable)
+                rows = sendable
             if not rows:
+                result.claimed = result.held
                 return result
             outcome: SendResult = self.sender.send(rows)
             for table in claim.TABLES:
@@ -374,7 +387,8 @@ class Relay:
                     base_seconds=self.settings.relay_backoff_base_seconds,
                     max_seconds=self.settings.relay_backoff_max_seconds,
                 )
-        result.claimed, result.sent, result.failed = len(rows), len(outcome.sent), len(outcome.failed)
+        result.claimed = len(rows) + result.held
+        result.sent, result.failed = len(outcome.sent), len(outcome.failed)
         self.counters.passes += 1
         self.counters.sent += result.sent
         self.counters.failed += result.failed

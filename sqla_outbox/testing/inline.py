@@ -24,6 +24,7 @@ from sqla_outbox.config import OutboxSettings
 from sqla_outbox.events import install, installation_for, uninstall
 from sqla_outbox.types import VISIBILITY_TIMEOUT_SECONDS, JSONValue
 from sqla_outbox.worker import execute, runs
+from sqla_outbox.worker.context import bounded_detail
 from sqla_outbox.worker.registry import Registry
 from sqla_outbox.worker.registry import registry as default_registry
 
@@ -441,7 +442,7 @@ class _InlineRunner:
                 f"delivered {attempt.receive_count} times without a verdict (limit {limit})"
             )
             return self._fail(attempt, exhausted, reason="receive-limit", trace=None)
-        ctx = execute.make_context(env, attempt, definition, queue=env.queue)
+        ctx = execute.make_context(env, attempt, definition, queue=env.queue, settings=self.settings)
         attributes = execute.span_attributes(env, attempt, queue=env.queue)
         try:
             with tracing.handler_span(f"{env.task} process", env.trace, attributes):
@@ -455,12 +456,16 @@ class _InlineRunner:
         except execute.LeaseLost:
             return self._status(env.run_id), None, None
         except errors.Retry as exc:
-            return self._transient(attempt, exc, limit, trace=None, delay=exc.delay_seconds)
+            return self._transient(
+                attempt, exc, limit, trace=None, delay=exc.delay_seconds, detail=ctx.trail_detail
+            )
         except Exception as exc:
             trace = "".join(tb.format_exception(exc))
             if definition.is_permanent(exc):
-                return self._fail(attempt, exc, reason="permanent-error", trace=trace)
-            return self._transient(attempt, exc, limit, trace=trace)
+                return self._fail(
+                    attempt, exc, reason="permanent-error", trace=trace, detail=ctx.trail_detail
+                )
+            return self._transient(attempt, exc, limit, trace=trace, detail=ctx.trail_detail)
         return "succeeded", None, None
 
     # --- verdicts --------------------------------------------------------------------------
@@ -472,24 +477,35 @@ class _InlineRunner:
         *,
         trace: str | None,
         delay: float | None = None,
+        detail: dict[str, Any] | None = None,
     ) -> tuple[str, runs.Failure | None, str | None]:
         if attempt.receive_count >= limit:
-            return self._fail(attempt, exc, reason="retries-exhausted", trace=trace)
+            return self._fail(attempt, exc, reason="retries-exhausted", trace=trace, detail=detail)
         failure = runs.Failure.from_exception(exc, trace)
         # inline, the next attempt follows at once: the trail records the delay used (0 s)
         backoff = 0.0 if self.retries or delay is None else delay
         with self.engine.begin() as connection:
-            moved = runs.mark_retrying(connection, attempt, failure, backoff_seconds=backoff)
+            moved = runs.mark_retrying(
+                connection, attempt, failure, backoff_seconds=backoff, detail=bounded_detail(detail or {})
+            )
         if not moved:
             return self._status(attempt.run_id), failure, None
         return "retrying", failure, None
 
     def _fail(
-        self, attempt: runs.Attempt, exc: BaseException, *, reason: str, trace: str | None
+        self,
+        attempt: runs.Attempt,
+        exc: BaseException,
+        *,
+        reason: str,
+        trace: str | None,
+        detail: dict[str, Any] | None = None,
     ) -> tuple[str, runs.Failure | None, str | None]:
         failure = runs.Failure.from_exception(exc, trace)
         with self.engine.begin() as connection:
-            moved = runs.mark_failed(connection, attempt, failure, reason=reason)
+            moved = runs.mark_failed(
+                connection, attempt, failure, reason=reason, detail=bounded_detail(detail or {})
+            )
         if not moved:
             return self._status(attempt.run_id), failure, None
         return "failed", failure, reason

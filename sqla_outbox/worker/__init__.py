@@ -10,7 +10,7 @@ Application modules register handlers with :func:`task`; the worker imports them
 from __future__ import annotations
 
 from sqla_outbox.worker.context import Cancelled, TaskContext
-from sqla_outbox.worker.registry import Registry, RetryPolicy, TaskDefinition, registry, task
+from sqla_outbox.worker.registry import Registry, RetryPolicy, TaskDefinition, registry, task, webhook_events
 
 __all__ = [
     "Cancelled",
@@ -21,6 +21,7 @@ __all__ = [
     "Worker",
     "registry",
     "task",
+    "webhook_events",
 ]
 
 

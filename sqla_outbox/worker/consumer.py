@@ -33,13 +33,14 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from sqla_outbox import errors, metrics
+from sqla_outbox import envelope, errors, metrics, presence
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
 from sqla_outbox.relay import make_engine
 from sqla_outbox.sqs.client import QueueDirectory, error_code, is_missing_queue, make_client
 from sqla_outbox.types import QUEUE_NAMES
+from sqla_outbox.worker import deferral
 from sqla_outbox.worker import handle as handling
 from sqla_outbox.worker.acks import AckBatcher
 from sqla_outbox.worker.flight import InFlight
@@ -224,6 +225,7 @@ class Worker:
             heartbeat_loop(self.runtime, lambda: list(self.in_flight.values())), name="heartbeat"
         )
         ticker = asyncio.create_task(self._tick(), name="liveness")
+        present = asyncio.create_task(self._presence_loop(), name="presence")
         self.ready = True
         logger.info(
             "worker started",
@@ -236,7 +238,7 @@ class Worker:
             ),
         )
         await self._stop_event.wait()
-        await self._shutdown(receivers, heartbeat, ticker)
+        await self._shutdown(receivers, heartbeat, ticker, present)
 
     async def _resolve_queues_patiently(self) -> bool:
         """Look up queue URLs and visibility timeouts; wait out an unreachable endpoint.
@@ -316,6 +318,34 @@ class Worker:
                     "or lower max_receives",
                     option="SQLA_OUTBOX_WORKER_MAX_RECEIVES",
                 )
+
+    # --- presence (rolling deploys: sqla_outbox.presence) ----------------------------------
+    def _record_presence(self, first: bool) -> None:
+        tasks, queues = list(self.registry.tasks), list(self.queues)
+        with self.engine.begin() as connection:
+            if first:
+                presence.register(connection, worker_id=self.worker_id, tasks=tasks, queues=queues)
+            else:
+                presence.beat(connection, worker_id=self.worker_id, tasks=tasks, queues=queues)
+
+    async def _presence_loop(self) -> None:
+        """Record the tasks this worker implements, then renew the heartbeat; a failure is
+        logged and retried at the next beat (the row simply ages meanwhile)."""
+        first = True
+        while not self.stopping:
+            try:
+                await self.io(self._record_presence, first)
+                first = False
+            except Exception as exc:
+                logger.warning(
+                    "could not record worker presence; retrying",
+                    extra=log_extra(action="worker.presence_failed", error_type=type(exc).__name__),
+                )
+            await asyncio.sleep(presence.PRESENCE_INTERVAL_SECONDS)
+
+    def _forget_presence(self) -> None:
+        with self.engine.begin() as connection:
+            presence.unregister(connection, worker_id=self.worker_id)
 
     async def _tick(self) -> None:
         while True:
@@ -423,10 +453,43 @@ class Worker:
 
     async def _give_back(self, key: int, flight: InFlight) -> None:
         try:
-            await self._give_back_safely(flight, "received during shutdown")
+            if not await self._defer_unread(flight):
+                await self._give_back_safely(flight, "received during shutdown")
         finally:
             self.in_flight.pop(key, None)
             self.slots.release(1)
+
+    async def _defer_unread(self, flight: InFlight) -> bool:
+        """A message received while stopping, never started: hand its run back through the
+        outbox (:mod:`sqla_outbox.worker.deferral`) rather than to the queue, so the receive
+        it just cost does not count against the run (the outbox sends a fresh message).
+
+        Returns:
+            True when the run was deferred (or already pending) and the message deleted;
+            False for anything else (a message that is not one of our runs, a run that is
+            finished or leased elsewhere, a database error): it is returned to the queue.
+        """
+        keys = self.settings.signing_keys
+        signature = flight.attributes.get(envelope.SIGNATURE_ATTRIBUTE, {}).get("StringValue")
+        if keys and not envelope.signature_valid(flight.body, signature, keys):
+            return False
+        try:
+            env = envelope.decode(flight.body, max_bytes=self.settings.max_message_bytes)
+        except envelope.MalformedEnvelope:
+            return False
+        if env.queue != flight.queue:
+            return False
+        try:
+            result = await asyncio.shield(
+                deferral.defer_message(self.runtime, flight, env, reason="worker-stopping", delay_seconds=0)
+            )
+        except Exception:
+            logger.warning(
+                "could not defer a message received while stopping; returning it to the queue",
+                extra=log_extra(action="worker.defer_failed", queue=flight.queue),
+            )
+            return False
+        return result.status is not deferral.DeferStatus.NOT_DEFERRABLE
 
     async def _give_back_safely(self, flight: InFlight, reason: str) -> None:
         # while stopping, out of reach of this worker's own pending long poll on the queue
@@ -445,6 +508,13 @@ class Worker:
     async def _shutdown(self, receivers: list[asyncio.Task[None]], *others: asyncio.Task[None]) -> None:
         self.stopping = True
         self.ready = False
+        try:  # at once: the relay stops sending this worker's tasks if nobody else has them
+            await self.io(self._forget_presence)
+        except Exception as exc:
+            logger.warning(
+                "could not remove worker presence",
+                extra=log_extra(action="worker.presence_failed", error_type=type(exc).__name__),
+            )
         logger.info(
             "worker stopping",
             extra=log_extra(

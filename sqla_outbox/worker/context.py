@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 import logging
 import threading
 import time
 import uuid
 from typing import Any
 
-from sqla_outbox import errors
+from sqla_outbox import envelope, errors
+from sqla_outbox.config import OutboxSettings
+
+TRAIL_DETAIL_MAX_CHARS = 4000
+"""Largest :attr:`TaskContext.trail_detail`, as JSON text."""
 
 
 class Cancelled(errors.OutboxError):
@@ -48,6 +53,12 @@ class TaskContext:
         logger: Logger whose records carry run_id, task and tenant_id.
         cancel_event: Set when the attempt is cancelled; long sync handlers should check
             :attr:`cancelled` (or wait on it) and stop.
+        trail_detail: JSON-ready context the worker stores in the ``detail`` of this
+            attempt's trail row, whatever its outcome (succeeded, retrying or failed):
+            e.g. the status and latency of an HTTP call. At most
+            :data:`TRAIL_DETAIL_MAX_CHARS` characters of JSON; larger is replaced by a
+            note. The worker's own keys (``reason``, ``backoff_seconds``) win.
+        settings: The worker's settings (None when the caller has none).
     """
 
     run_id: uuid.UUID
@@ -61,6 +72,8 @@ class TaskContext:
     session: Any
     logger: logging.LoggerAdapter[logging.Logger]
     cancel_event: threading.Event = dataclasses.field(default_factory=threading.Event)
+    trail_detail: dict[str, Any] = dataclasses.field(default_factory=dict)
+    settings: OutboxSettings | None = None
     _deadline_monotonic: float | None = None
 
     @property
@@ -78,3 +91,19 @@ class TaskContext:
         if self._deadline_monotonic is None:
             return None
         return max(0.0, self._deadline_monotonic - time.monotonic())
+
+
+def bounded_detail(detail: dict[str, Any]) -> dict[str, Any]:
+    """``detail`` if its JSON is at most :data:`TRAIL_DETAIL_MAX_CHARS` characters and
+    PostgreSQL can store it (no NUL, valid UTF-8), else a note saying why it was dropped."""
+    if not detail:
+        return {}
+    try:
+        text = json.dumps(detail, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        return {"trail_detail_dropped": f"not JSON: {exc}"[:200]}
+    if len(text) > TRAIL_DETAIL_MAX_CHARS:
+        return {"trail_detail_dropped": f"{len(text)} characters, over {TRAIL_DETAIL_MAX_CHARS}"}
+    if "\\u0000" in text or not envelope.storable_text(text):  # jsonb refuses both
+        return {"trail_detail_dropped": "holds a NUL character or a lone surrogate"}
+    return detail

@@ -20,9 +20,10 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from sqla_outbox import envelope, errors
+from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
 from sqla_outbox.worker import runs
-from sqla_outbox.worker.context import TaskContext
+from sqla_outbox.worker.context import TaskContext, bounded_detail
 from sqla_outbox.worker.registry import TaskDefinition
 
 
@@ -32,7 +33,12 @@ class LeaseLost(Exception):
 
 
 def make_context(
-    env: envelope.Envelope, attempt: runs.Attempt, definition: TaskDefinition, *, queue: str
+    env: envelope.Envelope,
+    attempt: runs.Attempt,
+    definition: TaskDefinition,
+    *,
+    queue: str,
+    settings: OutboxSettings | None = None,
 ) -> TaskContext:
     """The :class:`TaskContext` of an attempt (its session is set by the runners below)."""
     timeout = definition.effective_timeout()
@@ -52,6 +58,7 @@ def make_context(
                 run_id=str(env.run_id), task=env.task, tenant_id=env.tenant_id, attempt=attempt.attempt
             ),
         ),
+        settings=settings,
         _deadline_monotonic=time.monotonic() + timeout if timeout else None,
     )
 
@@ -114,7 +121,8 @@ def run_sync(
         ctx.session = session
         with _commit_refused(session, definition.name):
             call(definition, payload, ctx)
-        if ctx.cancelled or not runs.mark_succeeded(session.connection(), attempt):
+        detail = bounded_detail(ctx.trail_detail)
+        if ctx.cancelled or not runs.mark_succeeded(session.connection(), attempt, detail=detail):
             session.rollback()
             raise LeaseLost
         session.commit()
@@ -137,7 +145,8 @@ async def run_async(
         ctx.session = session
         with _commit_refused(session.sync_session, definition.name):
             await call(definition, payload, ctx)
-        won = await session.run_sync(lambda s: runs.mark_succeeded(s.connection(), attempt))
+        detail = bounded_detail(ctx.trail_detail)
+        won = await session.run_sync(lambda s: runs.mark_succeeded(s.connection(), attempt, detail=detail))
         if not won:
             await session.rollback()
             raise LeaseLost

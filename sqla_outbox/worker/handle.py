@@ -5,16 +5,20 @@
    database.
 2. **Decode** the body (:func:`sqla_outbox.envelope.decode`: JSON only, size-bounded,
    every field checked). Malformed → DLQ with the reason, never executed.
-3. **Take the run's lease** (:func:`sqla_outbox.worker.runs.take_lease`). No such run
+3. **No handler here** (a task only newer code implements, during a rolling deploy): the
+   run is deferred to the outbox (:mod:`sqla_outbox.worker.deferral`): the message is
+   deleted and the outbox sends a fresh one later, so no attempt, no receive budget and
+   no DLQ is spent on it. A run that is not ours is dead-lettered as below.
+4. **Take the run's lease** (:func:`sqla_outbox.worker.runs.take_lease`). No such run
    (foreign or forged message) or a run of another task/tenant → DLQ, never executed.
    A finished run → the copy is acknowledged and skipped (a failed run whose DLQ send
    was interrupted gets it completed). A live lease elsewhere → the copy is hidden until
    that lease would expire; it runs only if the other worker vanished.
-4. **Check** the receive count (a message redelivered past ``max_receives`` without a
-   verdict, e.g. after worker crashes, goes to the DLQ) and that a handler exists.
-5. **Run** the handler with its timeout, heartbeat running (see ``heartbeat.py``). The
+5. **Check** the receive count (a message redelivered past ``max_receives`` without a
+   verdict, e.g. after worker crashes, goes to the DLQ).
+6. **Run** the handler with its timeout, heartbeat running (see ``heartbeat.py``). The
    handler's session commits together with ``running → succeeded``.
-6. **Verdict**: success → delete; :class:`~sqla_outbox.errors.Retry` or another exception
+7. **Verdict**: success → delete; :class:`~sqla_outbox.errors.Retry` or another exception
    → ``retrying`` and ChangeMessageVisibility(backoff), or the permanent path on the
    last allowed receive; :class:`~sqla_outbox.errors.PermanentError` or a type listed in
    ``@task(permanent=...)`` → ``failed``, DLQ with the error context, delete; timeout →
@@ -37,7 +41,8 @@ from typing import Any
 
 from sqla_outbox import envelope, errors, metrics, tracing
 from sqla_outbox.logging import log_extra, short_handle
-from sqla_outbox.worker import execute, runs
+from sqla_outbox.worker import deferral, execute, runs
+from sqla_outbox.worker.context import bounded_detail
 from sqla_outbox.worker.flight import InFlight
 from sqla_outbox.worker.outcome import backoff_seconds, utc_now_text
 from sqla_outbox.worker.registry import TaskDefinition
@@ -114,6 +119,14 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
         )
         return
     flight.run_id, flight.task_name = env.run_id, env.task
+    definition = runtime.registry.tasks.get(env.task)
+    if definition is None:  # e.g. old code during a rolling deploy: leave it to a worker that has it
+        deferred = await deferral.defer_message(
+            runtime, flight, env, reason="no-handler", delay_seconds=no_handler_delay
+        )
+        if deferred.claim is not None:
+            await _settle_unclaimed(runtime, flight, deferred.claim)
+        return
     claim = await runtime.io(
         runtime.in_transaction,
         lambda conn: runs.take_lease(
@@ -127,6 +140,33 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
             document=env.encode(),
         ),
     )
+    if claim.status is not runs.ClaimStatus.CLAIMED:
+        await _settle_unclaimed(runtime, flight, claim)
+        return
+
+    flight.attempt, flight.leased = claim.attempt, True
+    attempt = runs.Attempt(env.run_id, claim.attempt, flight.receive_count, runtime.worker_id)
+    limit = definition.effective_max_receives(runtime.settings.worker_max_receives)
+    if flight.receive_count > limit:
+        exhausted = errors.PermanentError(
+            f"delivered {flight.receive_count} times without a verdict (limit {limit}); "
+            "earlier attempts were lost (worker crash or kill)"
+        )
+        await _fail(runtime, flight, attempt, exhausted, reason="receive-limit", trace=None)
+        return
+    await _execute(runtime, flight, env, definition, attempt, limit)
+
+
+def no_handler_delay(deferrals: int) -> float:
+    """Delay before a run this worker has no handler for is sent again: 1 s, doubling per
+    earlier such deferral, at most 60 s (the relay also holds rows no live worker
+    implements, so this only spaces out copies a mixed fleet hands around)."""
+    return float(min(2**deferrals, 60))
+
+
+async def _settle_unclaimed(runtime: Runtime, flight: InFlight, claim: runs.Claim) -> None:
+    """A delivery that did not get the run: foreign, a copy of a finished run, or a copy of
+    a run another worker holds."""
     status = claim.status
     if status is runs.ClaimStatus.NOT_FOUND:
         await _dead_letter_foreign(
@@ -171,24 +211,6 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
             hide_s=hide,
         )
         await runtime.io(runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
-        return
-
-    flight.attempt, flight.leased = claim.attempt, True
-    attempt = runs.Attempt(env.run_id, claim.attempt, flight.receive_count, runtime.worker_id)
-    try:
-        definition = runtime.registry.get(env.task)
-    except errors.HandlerNotFound as missing:
-        await _fail(runtime, flight, attempt, missing, reason="unknown-task", trace=None)
-        return
-    limit = definition.effective_max_receives(runtime.settings.worker_max_receives)
-    if flight.receive_count > limit:
-        exhausted = errors.PermanentError(
-            f"delivered {flight.receive_count} times without a verdict (limit {limit}); "
-            "earlier attempts were lost (worker crash or kill)"
-        )
-        await _fail(runtime, flight, attempt, exhausted, reason="receive-limit", trace=None)
-        return
-    await _execute(runtime, flight, env, definition, attempt, limit)
 
 
 async def _execute(
@@ -200,7 +222,7 @@ async def _execute(
     limit: int,
 ) -> None:
     timeout = definition.effective_timeout()
-    ctx = execute.make_context(env, attempt, definition, queue=flight.queue)
+    ctx = execute.make_context(env, attempt, definition, queue=flight.queue, settings=runtime.settings)
     flight.ctx = ctx
     payload = env.payload
     started = time.perf_counter()
@@ -285,7 +307,9 @@ async def _transient(
     failure = runs.Failure.from_exception(exc, trace)
     moved = await runtime.io(
         runtime.in_transaction,
-        lambda conn: runs.mark_retrying(conn, attempt, failure, backoff_seconds=seconds),
+        lambda conn: runs.mark_retrying(
+            conn, attempt, failure, backoff_seconds=seconds, detail=_handler_detail(flight)
+        ),
     )
     if not moved:
         await _reconcile_lost(runtime, flight)
@@ -316,7 +340,8 @@ async def _fail(
 ) -> None:
     failure = runs.Failure.from_exception(exc, trace)
     moved = await runtime.io(
-        runtime.in_transaction, lambda conn: runs.mark_failed(conn, attempt, failure, reason=reason)
+        runtime.in_transaction,
+        lambda conn: runs.mark_failed(conn, attempt, failure, reason=reason, detail=_handler_detail(flight)),
     )
     if not moved:
         await _reconcile_lost(runtime, flight)
@@ -443,6 +468,11 @@ async def give_back(runtime: Runtime, flight: InFlight, *, reason: str, hide_sec
             hide_s=hide,
         )
         await runtime.io(runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
+
+
+def _handler_detail(flight: InFlight) -> dict[str, Any] | None:
+    """What the handler put in ``ctx.trail_detail`` (bounded), for the trail row."""
+    return bounded_detail(flight.ctx.trail_detail) if flight.ctx is not None else None
 
 
 def attempt_task(flight: InFlight) -> str:

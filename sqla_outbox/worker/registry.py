@@ -27,7 +27,7 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from sqla_outbox import errors, maintenance
+from sqla_outbox import errors, maintenance, webhooks
 from sqla_outbox.catalog import Catalog, Scope, TaskSpec
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.types import QUEUE_NAMES
@@ -156,6 +156,52 @@ class Registry:
                 description=spec.description,
             )(handler)
 
+    def webhook_events(
+        self, *events: str, queue: str | None = None, retry: RetryPolicy | None = None
+    ) -> None:
+        """Declare webhook events: publishing one schedules a delivery to each subscribed,
+        enabled endpoint of the tenant (``docs/webhooks.md``).
+
+        Registers the built-in task ``webhooks.deliver`` (once; later calls add events) as
+        a subscriber of ``events``, so the catalog written from this registry marks them.
+
+        Args:
+            *events: Event names.
+            queue: Queue of the deliveries (default ``default``; set on the first call).
+            retry: Retry policy of the deliveries (default: backoff from 60 s, doubling,
+                capped at 1 h; ``max_receives`` from the worker settings).
+
+        Raises:
+            ConfigurationError: A bad event name or queue, or a different queue or retry
+                policy than an earlier call gave.
+        """
+        spec = webhooks.WEBHOOK_SPEC
+        existing = self.tasks.get(spec.name)
+        if existing is not None and (
+            (queue is not None and queue != existing.queue) or (retry is not None and retry != existing.retry)
+        ):
+            raise errors.ConfigurationError(
+                f"{spec.name} is already registered with queue {existing.queue!r} and {existing.retry}",
+                option="webhook_events",
+            )
+        subscribes = [*(existing.subscribes if existing else ()), *(e for e in events)]
+        if existing is not None:
+            del self.tasks[spec.name]  # registered again below with the added events
+        try:
+            self.task(
+                spec.name,
+                queue=existing.queue if existing else (queue or spec.queue),
+                scope=spec.scope,
+                timeout_seconds=spec.timeout_seconds,
+                retry=existing.retry if existing else (retry or WEBHOOK_RETRY),
+                subscribes=dict.fromkeys(subscribes),
+                description=spec.description,
+            )(_deliver_webhook)
+        except errors.ConfigurationError:
+            if existing is not None:  # a bad name: the earlier declaration stands
+                self.tasks[spec.name] = existing
+            raise
+
     def task(
         self,
         name: str,
@@ -253,7 +299,7 @@ class Registry:
 
         Returns:
             Warnings: a consumed queue no registered task routes to (any message on it
-            would be dead-lettered as ``unknown-task``); a task's or the worker's
+            would be handed back to the outbox, never run); a task's or the worker's
             ``max_receives`` not below the ``max_receive_count`` setting (SQS would move
             messages to the DLQ before the worker records a verdict). The worker refuses
             that conflict at start against each queue's actual ``RedrivePolicy``, which
@@ -266,11 +312,13 @@ class Registry:
                 asyncio support needs, cannot be imported.
         """
         queues = tuple(queues)
+        # (webhooks.deliver counts as the application's: it exists only once a task module
+        # declared webhook events, so a webhook-only worker is a real worker)
         own = [d for d in self.tasks.values() if d.name not in maintenance.BUILTIN_TASKS]
         if not own and any(queue != "maintenance" for queue in queues):
             raise errors.ConfigurationError(
                 "no task handlers are registered: name your task modules (e.g. --imports "
-                "myapp.tasks); without them every message would go to the DLQ as unknown-task",
+                "myapp.tasks); without them no message would ever run (each is handed back to the outbox)",
                 option="--imports / SQLA_OUTBOX_WORKER_IMPORTS",
             )
         warnings = []
@@ -299,7 +347,7 @@ class Registry:
                 )
         served = {d.queue for d in self.tasks.values()}
         return warnings + [
-            f"no registered task uses queue {queue!r}: its messages would go to the DLQ as unknown-task"
+            f"no registered task uses queue {queue!r}: this worker would hand its messages back to the outbox"
             for queue in queues
             if queue not in served
         ]
@@ -313,7 +361,19 @@ class Registry:
         return Catalog.build([d.spec() for d in self.tasks.values()], events)
 
 
+WEBHOOK_RETRY = RetryPolicy(backoff_base_seconds=60, backoff_max_seconds=3600)
+"""Default retry policy of webhook deliveries: 1 min, 2 min, 4 min, 8 min (with jitter)."""
+
+
+def _deliver_webhook(payload: Any, ctx: Any) -> None:
+    """The ``webhooks.deliver`` handler (httpx is imported only by workers that deliver)."""
+    from sqla_outbox.worker.webhook_delivery import deliver
+
+    deliver(payload, ctx)
+
+
 registry = Registry.with_builtins()
 """The default registry that :func:`task` registers into (built-in tasks included)."""
 
 task = registry.task
+webhook_events = registry.webhook_events

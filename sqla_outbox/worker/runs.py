@@ -236,22 +236,48 @@ def _params(attempt: Attempt, failure: Failure | None, detail: dict[str, Any] | 
     }
 
 
-def mark_succeeded(connection: Connection, attempt: Attempt) -> bool:
-    """``running → succeeded``. Run it in the handler's transaction; False = lease lost."""
-    return connection.execute(_SUCCEED, _params(attempt, None, None)).first() is not None
+def mark_succeeded(connection: Connection, attempt: Attempt, *, detail: dict[str, Any] | None = None) -> bool:
+    """``running → succeeded``. Run it in the handler's transaction; False = lease lost.
+
+    Args:
+        detail: The handler's ``ctx.trail_detail`` (bounded by the caller), stored in the
+            trail row.
+    """
+    return connection.execute(_SUCCEED, _params(attempt, None, detail or None)).first() is not None
 
 
 def mark_retrying(
-    connection: Connection, attempt: Attempt, failure: Failure, *, backoff_seconds: float
+    connection: Connection,
+    attempt: Attempt,
+    failure: Failure,
+    *,
+    backoff_seconds: float,
+    detail: dict[str, Any] | None = None,
 ) -> bool:
-    """``running → retrying`` with the error; False when the attempt no longer holds the run."""
-    detail = {"backoff_seconds": round(backoff_seconds, 3)}
-    return connection.execute(_RETRY, _params(attempt, failure, detail)).first() is not None
+    """``running → retrying`` with the error; False when the attempt no longer holds the run.
+
+    Args:
+        detail: The handler's ``ctx.trail_detail``; ``backoff_seconds`` wins over its key.
+    """
+    merged = {**(detail or {}), "backoff_seconds": round(backoff_seconds, 3)}
+    return connection.execute(_RETRY, _params(attempt, failure, merged)).first() is not None
 
 
-def mark_failed(connection: Connection, attempt: Attempt, failure: Failure, *, reason: str) -> bool:
-    """``running → failed`` (the permanent path); False when the attempt lost the run."""
-    return connection.execute(_FAIL, _params(attempt, failure, {"reason": reason})).first() is not None
+def mark_failed(
+    connection: Connection,
+    attempt: Attempt,
+    failure: Failure,
+    *,
+    reason: str,
+    detail: dict[str, Any] | None = None,
+) -> bool:
+    """``running → failed`` (the permanent path); False when the attempt lost the run.
+
+    Args:
+        detail: The handler's ``ctx.trail_detail``; ``reason`` wins over its key.
+    """
+    merged = {**(detail or {}), "reason": reason}
+    return connection.execute(_FAIL, _params(attempt, failure, merged)).first() is not None
 
 
 def mark_requeued(connection: Connection, attempt: Attempt, *, reason: str) -> bool:

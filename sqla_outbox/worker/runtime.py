@@ -44,6 +44,7 @@ class WorkerCounters:
     foreign: int = 0
     returned: int = 0
     lost_leases: int = 0
+    deferred: int = 0
 
 
 class Runtime:

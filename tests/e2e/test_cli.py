@@ -266,12 +266,12 @@ def test_migrate_explains_a_missing_tenant_table_then_reports_what_it_did(empty_
 
     migrated = cli("migrate", env=env)
     assert migrated.returncode == 0, migrated.stderr
-    assert migrated.stdout == f"migrated {shown} from base to sqlaob_0001 (head)\n"
+    assert migrated.stdout == f"migrated {shown} from base to sqlaob_0002 (head)\n"
     assert {"outbox_messages", "task_runs", "sqla_outbox_alembic_version"} <= tables(empty_database)
     again = cli("migrate", env=env)
-    assert again.stdout == f"{shown} is already at sqlaob_0001 (head); nothing to do\n"
+    assert again.stdout == f"{shown} is already at sqlaob_0002 (head); nothing to do\n"
     down = cli("migrate", "--downgrade", "--revision", "base", env=env)
-    assert down.stdout == f"downgraded {shown} from sqlaob_0001 (head) to base\n"
+    assert down.stdout == f"downgraded {shown} from sqlaob_0002 (head) to base\n"
     assert tables(empty_database) == {"tenants", "sqla_outbox_alembic_version"}
 
 
@@ -279,7 +279,7 @@ def test_migrate_without_a_tenant_foreign_key_needs_no_tenants_table(empty_datab
     env = bare_env(SQLA_OUTBOX_DATABASE_URL=empty_database, SQLA_OUTBOX_TENANT_FOREIGN_KEY="none")
     migrated = cli("migrate", env=env)
     assert migrated.returncode == 0, migrated.stderr
-    assert migrated.stdout.startswith("migrated ") and "to sqlaob_0001 (head)" in migrated.stdout
+    assert migrated.stdout.startswith("migrated ") and "to sqlaob_0002 (head)" in migrated.stdout
 
 
 def test_relay_once_reports_that_another_relay_is_active(
@@ -304,6 +304,7 @@ def test_relay_once_reports_that_another_relay_is_active(
             "claimed": 0,
             "sent": 0,
             "failed": 0,
+            "held": 0,
             "full": False,
             "leader": False,
         }
@@ -319,4 +320,11 @@ def test_relay_once_reports_that_another_relay_is_active(
         leader.commit()
     done = cli("relay", "--once", "--json", env=env)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"claimed": 1, "sent": 1, "failed": 0, "full": False, "leader": True}
+    assert json.loads(done.stdout) == {
+        "claimed": 1,
+        "sent": 1,
+        "failed": 0,
+        "held": 0,
+        "full": False,
+        "leader": True,
+    }

@@ -144,6 +144,8 @@ def test_status_prints_tables_and_a_json_document(
         "stale_running_count",
         "stale_running",
         "queues",
+        "workers",
+        "waiting_for_a_worker",
     }
     assert {(p["table"], p["queue"], p["pending"], p["due"]) for p in document["pending"]} == {
         ("platform_outbox_messages", "default", 1, 1),

@@ -311,6 +311,45 @@ def test_sigterm_returns_a_slow_message_and_requeues_its_run(
     assert 1 <= returned["hide_s"] <= 7
 
 
+def test_a_message_received_while_stopping_goes_back_through_the_outbox_at_no_cost(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+) -> None:
+    """A long poll still pending when SIGTERM arrives brings a message back: the stopping
+    worker hands the run back to the outbox instead of returning the message to the queue
+    (which would have cost it a receive of its redrive budget); a fresh message carries it."""
+    relay = start_relay(settings, sqs_endpoint)
+    stopping = start_worker(settings, sqs_endpoint, name="stopping", SQLA_OUTBOX_WORKER_WAIT_SECONDS="10")
+    second = None
+    try:
+        relay.wait_for_action("relay.leader")
+        stopping.wait_for_action("worker.started")
+        time.sleep(1)  # its long polls are pending
+        stopping.process.send_signal(signal.SIGTERM)
+        stopping.wait_for_action("worker.stopping")
+        run_id = dispatch(app, "audit", {"mode": "ok"})
+        assert stopping.process.wait(30) == 0
+        [deferral] = [
+            t for t in trail(engine, run_id) if (t.detail or {}).get("deferred") == "worker-stopping"
+        ]
+        assert (deferral.status, deferral.receive_count) == ("queued", 1)
+        assert run_row(engine, run_id).attempts == 0
+        second = start_worker(settings, sqs_endpoint, name="second")
+        wait_for(lambda: finished(engine, run_id), timeout=40)
+        [running] = [t for t in trail(engine, run_id) if t.status == "running"]
+        assert running.receive_count == 1  # a fresh message: the stop spent nothing
+        assert (run_row(engine, run_id).status, len(effects(engine, run_id))) == ("succeeded", 1)
+        assert receive_all(sqs, queues["default-dlq"]) == []
+    finally:
+        for process in (stopping, relay, second):
+            if process is not None:
+                process.kill()
+
+
 def test_forged_messages_go_to_the_dlq_and_never_run(
     app: sessionmaker[Session], engine: sa.Engine, worker_with_relay: Any, sqs: Any, queues: dict[str, str]
 ) -> None:

@@ -20,7 +20,14 @@ from sqla_outbox import models
 from tests import support
 
 ROOT = Path(__file__).resolve().parents[2]
-OUR_TABLES = {"outbox_messages", "platform_outbox_messages", "task_runs", "task_run_trail"}
+OUR_TABLES = {
+    "outbox_messages",
+    "platform_outbox_messages",
+    "task_runs",
+    "task_run_trail",
+    "webhook_endpoints",
+    "worker_presence",
+}
 
 
 @pytest.fixture
@@ -86,7 +93,7 @@ def test_standalone_upgrade_downgrade_and_offline_sql(empty_db: str) -> None:
     assert OUR_TABLES <= tables(empty_db)
     with psycopg.connect(empty_db) as conn:
         version = conn.execute("SELECT version_num FROM sqla_outbox_alembic_version").fetchall()
-    assert version == [("sqlaob_0001",)]
+    assert version == [("sqlaob_0002",)]
     offline = alembic(["upgrade", "head", "--sql"], url=empty_db, config=config)
     assert "CREATE TABLE outbox_messages" in offline.stdout
     assert "CONSTRAINT outbox_messages_envelope_check" in offline.stdout

@@ -163,7 +163,7 @@ def test_preflight_refuses_a_worker_without_handlers_and_warns_of_dead_lettering
     registry.task("send", queue="critical")(lambda payload: None)
     warnings = registry.preflight(settings, queues=("critical", "bulk"))
     assert warnings == [
-        "no registered task uses queue 'bulk': its messages would go to the DLQ as unknown-task"
+        "no registered task uses queue 'bulk': this worker would hand its messages back to the outbox"
     ]
     # against the max_receive_count setting these are warnings: the worker refuses the
     # conflict at start against each queue's actual RedrivePolicy, which may differ

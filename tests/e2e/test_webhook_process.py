@@ -1,0 +1,118 @@
+"""Webhook deliveries through the real pipeline: app transaction → relay → SQS → worker →
+a real HTTP receiver on loopback (allowed by ``webhook_allowed_hosts``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+import standardwebhooks
+from sqlalchemy.orm import Session, sessionmaker
+
+from sqla_outbox import Publish, webhooks
+from sqla_outbox.catalog import Catalog
+from sqla_outbox.config import OutboxSettings
+from tests import support
+from tests.support import receive_all, run_row, start_relay, start_worker, trail, wait_for
+from tests.webhook_receiver import Receiver, Reply
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def catalog() -> Catalog:
+    return Catalog.from_dict(support.WEBHOOK_CATALOG)
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    server = Receiver()
+    yield server
+    server.close()
+
+
+def test_a_published_event_is_delivered_signed_retried_and_refused_by_real_processes(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    queues: dict[str, str],
+    sqs: Any,
+    receiver: Receiver,
+) -> None:
+    with app() as session, session.begin():
+        good = webhooks.new_endpoint(tenant_id=1, url=receiver.url("/in"), events=["order.paid"])
+        # another loopback address, not in the allow-list (127.0.0.1 is)
+        refused_url = receiver.url(host="127.0.0.2")
+        refused = webhooks.new_endpoint(tenant_id=1, url=refused_url, events=["order.paid"])
+        session.add_all([good, refused])
+        session.flush()
+        good_id, refused_id, secret = good.id, refused.id, webhooks.signing_secret(good)
+    receiver.script(Reply(503, headers={"retry-after": "1"}, body=b"maintenance"))
+    processes = [
+        start_relay(settings, sqs_endpoint),
+        start_worker(
+            settings,
+            sqs_endpoint,
+            imports="tests.e2e.webhook_tasks",
+            SQLA_OUTBOX_WEBHOOK_ALLOWED_HOSTS="127.0.0.1",
+            SQLA_OUTBOX_WEBHOOK_TIMEOUT_SECONDS="5",
+        ),
+    ]
+    try:
+        processes[1].wait_for_action("worker.started")
+        with app() as session, session.begin():
+            event = Publish("order.paid", {"order_id": 7, "mode": "ok"}, tenant_id=1)
+            session.add(event)
+            session.flush()
+            deliveries = event.webhook_deliveries
+        delivered, blocked = deliveries[good_id], deliveries[refused_id]
+        wait_for(lambda: run_row(engine, delivered).status == "succeeded", timeout=60)
+        wait_for(lambda: run_row(engine, blocked).dead_lettered_at is not None, timeout=60)
+        wait_for(
+            lambda: run_row(engine, event.resolved_run_ids["send_welcome"]).status == "succeeded", timeout=60
+        )
+    finally:
+        for process in processes:
+            process.kill()
+            print(f"--- {process.name} ---\n" + "".join(process.raw[-30:]))
+
+    # delivered on the second attempt, after the Retry-After the receiver asked for
+    first, second = receiver.requests
+    assert [r.headers["webhook-id"] for r in (first, second)] == [str(delivered)] * 2
+    assert [r.headers["webhook-attempt"] for r in (first, second)] == ["1", "2"]
+    assert standardwebhooks.Webhook(secret).verify(second.body, second.headers)["data"] == {
+        "order_id": 7,
+        "mode": "ok",
+    }
+    assert second.at - first.at >= 0.9
+    run = run_row(engine, delivered)
+    assert (run.status, run.attempts) == ("succeeded", 2)
+    steps = trail(engine, delivered)
+    retry = next(t for t in steps if t.status == "retrying")
+    assert retry.detail["backoff_seconds"] == 1
+    assert retry.detail["webhook"]["response"] == {
+        "status": 503,
+        "latency_ms": retry.detail["webhook"]["response"]["latency_ms"],
+        "content_type": "",
+        "body": "maintenance",
+        "body_truncated": False,
+    }
+    assert steps[-1].detail["webhook"]["response"]["status"] == 200
+
+    # refused by the SSRF guard at the first attempt: DLQ with the reason, nothing sent
+    run = run_row(engine, blocked)
+    assert (run.status, run.attempts) == ("failed", 1)
+    assert run.last_error_type == "sqla_outbox.errors.WebhookRefused"
+    assert "127.0.0.2 is 127.0.0.2 (loopback)" in run.last_error
+    [message] = receive_all(sqs, queues["default-dlq"], expect=1, timeout=10)
+    attributes = {k: v["StringValue"] for k, v in message["MessageAttributes"].items()}
+    assert (attributes["reason"], attributes["run_id"]) == ("permanent-error", str(blocked))
+    assert "loopback" in attributes["error_message"]
+    body = json.loads(message["Body"])
+    assert json.loads(body["payload"])["endpoint_id"] == refused_id
+    assert "127.0.0.2" not in message["Body"] and "whsec_" not in message["Body"]
+    assert len(receiver.requests) == 2

@@ -1,0 +1,404 @@
+"""Webhook deliveries against a real HTTP receiver on loopback, run by the real handler.
+
+The receiver fails, times out, redirects and succeeds on command. Each test publishes a
+webhook event in a real transaction and runs the delivery runs inline
+(``sqla_outbox.testing.run_pending``: the worker's execute path, one attempt per call),
+then checks what the receiver got and what the run and its trail say. The SSRF guard is
+checked on loopback (refused without the allow-list), ``localhost`` and, through the
+resolver test hook, names that resolve to private addresses (never connected to).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+import standardwebhooks
+from sqlalchemy.orm import Session, sessionmaker
+
+from sqla_outbox import Publish, webhooks
+from sqla_outbox.catalog import Catalog
+from sqla_outbox.config import OutboxSettings
+from sqla_outbox.testing import RunReport, run_pending
+from sqla_outbox.worker import destination_guard
+from sqla_outbox.worker.registry import Registry, RetryPolicy
+from tests import support
+from tests.webhook_receiver import Receiver, Reply, server_tls_context, tls_files
+
+
+@pytest.fixture
+def catalog() -> Catalog:
+    return Catalog.from_dict(support.WEBHOOK_CATALOG)
+
+
+@pytest.fixture
+def registry() -> Registry:
+    registry = Registry.with_builtins()
+    registry.webhook_events("order.paid", "invoice.sent", retry=RetryPolicy(max_receives=5))
+    return registry
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    server = Receiver()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def delivery_settings(settings: OutboxSettings) -> OutboxSettings:
+    return settings.replace(
+        valkey_url=None, webhook_allowed_hosts=("127.0.0.1",), webhook_timeout_seconds=2.0
+    )
+
+
+def endpoint(app: sessionmaker[Session], url: str, **kwargs: Any) -> tuple[int, str]:
+    with app() as session, session.begin():
+        item = webhooks.new_endpoint(tenant_id=kwargs.pop("tenant_id", 1), url=url, **kwargs)
+        session.add(item)
+        session.flush()
+        return item.id, webhooks.signing_secret(item)
+
+
+def publish(app: sessionmaker[Session], event: str = "invoice.sent", **payload: Any) -> dict[int, uuid.UUID]:
+    with app() as session, session.begin():
+        item = Publish(event, payload or {"invoice": 42}, tenant_id=1)
+        session.add(item)
+        session.flush()
+        return item.webhook_deliveries
+
+
+def attempt(app: sessionmaker[Session], settings: OutboxSettings, registry: Registry) -> RunReport:
+    """One attempt of every due delivery (as one SQS delivery each)."""
+    return run_pending(app, registry=registry, settings=settings, retries=False, tasks=["webhooks.deliver"])
+
+
+def statuses(report: RunReport) -> dict[str, str]:
+    return {str(outcome.run_id): outcome.status for outcome in report.runs}
+
+
+def verify(secret: str, request: Any) -> Any:
+    return standardwebhooks.Webhook(secret).verify(request.body, request.headers)
+
+
+def test_a_delivery_is_signed_per_standard_webhooks_and_recorded(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+) -> None:
+    endpoint_id, secret = endpoint(app, receiver.url("/hooks/in?token=t0k3n"), events=["invoice.sent"])
+    [run_id] = publish(app, invoice=42, amount="9.99").values()
+    report = attempt(app, delivery_settings, registry)
+    assert statuses(report) == {str(run_id): "succeeded"}
+    [request] = receiver.requests
+    assert request.path == "/hooks/in?token=t0k3n"
+    assert verify(secret, request) == {
+        "type": "invoice.sent",
+        "timestamp": json.loads(request.body)["timestamp"],
+        "data": {"invoice": 42, "amount": "9.99"},
+    }
+    assert request.headers["webhook-id"] == str(run_id)
+    assert request.headers["webhook-attempt"] == "1"
+    assert abs(int(request.headers["webhook-timestamp"]) - dt.datetime.now(dt.UTC).timestamp()) < 60
+    assert request.headers["content-type"] == "application/json"
+    assert request.headers["host"] == f"127.0.0.1:{receiver.port}"
+    [*_, done] = support.trail(engine, run_id)
+    record = done.detail["webhook"]
+    assert done.status == "succeeded"
+    assert record["endpoint_id"] == endpoint_id
+    assert record["destination"] == f"http://127.0.0.1:{receiver.port}"  # no path or token
+    assert "t0k3n" not in json.dumps(done.detail)
+    assert record["response"]["status"] == 200 and record["response"]["body"] == "ok"
+    assert record["response"]["latency_ms"] >= 0
+
+
+def test_transient_failures_keep_the_delivery_id_and_change_the_attempt(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+) -> None:
+    _, secret = endpoint(app, receiver.url(), events=["invoice.sent"])
+    [run_id] = publish(app).values()
+    receiver.script(Reply(500, body=b'{"error":"database down"}'), Reply(502))
+    assert statuses(attempt(app, delivery_settings, registry)) == {str(run_id): "retrying"}
+    assert statuses(attempt(app, delivery_settings, registry)) == {str(run_id): "retrying"}
+    assert statuses(attempt(app, delivery_settings, registry)) == {str(run_id): "succeeded"}
+    requests = receiver.requests
+    assert [r.headers["webhook-id"] for r in requests] == [str(run_id)] * 3
+    assert [r.headers["webhook-attempt"] for r in requests] == ["1", "2", "3"]
+    assert all(verify(secret, r) for r in requests)
+    steps = [t for t in support.trail(engine, run_id) if t.status == "retrying"]
+    assert [t.error_type for t in steps] == ["sqla_outbox.errors.WebhookFailed"] * 2
+    assert "server-error: the receiver answered 500" in steps[0].error_message
+    assert steps[0].detail["webhook"]["response"]["body"] == '{"error":"database down"}'
+    assert steps[1].detail["webhook"]["response"]["status"] == 502
+    assert support.run_row(engine, run_id).attempts == 3
+
+
+def test_a_slow_receiver_times_out_as_a_transient_failure(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+) -> None:
+    endpoint(app, receiver.url(), events=["invoice.sent"])
+    [run_id] = publish(app).values()
+    receiver.script(Reply(200, delay_seconds=4))
+    settings = delivery_settings.replace(webhook_timeout_seconds=1.0)
+    assert statuses(attempt(app, settings, registry)) == {str(run_id): "retrying"}
+    step = support.trail(engine, run_id)[-1]
+    assert step.error_type == "sqla_outbox.errors.WebhookFailed"
+    assert step.error_message.startswith("timeout: ")
+    assert step.detail["webhook"]["error"]["kind"] == "timeout"
+    assert step.detail["webhook"]["error"]["after_ms"] < 3500
+
+
+def test_a_redirect_fails_permanently_and_is_not_followed(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+) -> None:
+    endpoint(app, receiver.url("/old"), events=["invoice.sent"])
+    [run_id] = publish(app).values()
+    receiver.script(Reply(307, headers={"location": receiver.url("/new")}))
+    report = attempt(app, delivery_settings, registry)
+    outcome = report.by_run_id(run_id)
+    assert (outcome.status, outcome.reason, outcome.attempts) == ("failed", "permanent-error", 1)
+    assert [r.path for r in receiver.requests] == ["/old"]
+    run = support.run_row(engine, run_id)
+    assert run.last_error_type == "sqla_outbox.errors.WebhookRefused"
+    assert run.last_error.startswith("redirect: the receiver answered 307")
+
+
+@pytest.mark.parametrize("status", [400, 404, 410, 422])
+def test_a_4xx_fails_permanently(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+    status: int,
+) -> None:
+    endpoint(app, receiver.url(), events=["invoice.sent"])
+    [run_id] = publish(app).values()
+    receiver.script(Reply(status))
+    assert statuses(attempt(app, delivery_settings, registry)) == {str(run_id): "failed"}
+    run = support.run_row(engine, run_id)
+    assert (run.attempts, run.last_error) == (1, f"client-error: the receiver answered {status}")
+
+
+@pytest.mark.parametrize(
+    ("reply", "backoff"),
+    [
+        (Reply(429, headers={"retry-after": "7"}), 7.0),
+        (Reply(503, headers={"retry-after": "120"}), 120.0),
+        (Reply(429), None),
+        (Reply(503, headers={"retry-after": "999999"}), 43_200.0 - 900),  # within SQS's 12 hours
+    ],
+)
+def test_429_and_5xx_are_transient_and_honour_retry_after(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+    reply: Reply,
+    backoff: float | None,
+) -> None:
+    endpoint(app, receiver.url(), events=["invoice.sent"])
+    [run_id] = publish(app).values()
+    receiver.script(reply)
+    assert statuses(attempt(app, delivery_settings, registry)) == {str(run_id): "retrying"}
+    step = support.trail(engine, run_id)[-1]
+    if backoff is None:
+        assert step.error_type == "sqla_outbox.errors.WebhookFailed"
+        assert step.error_message == "rate-limited: the receiver answered 429"
+    else:
+        assert step.error_type == "sqla_outbox.errors.Retry"
+        assert step.detail["backoff_seconds"] == backoff  # the delay the worker waits
+        assert step.detail["webhook"]["retry_after_seconds"] == backoff
+
+
+def test_the_stored_response_excerpt_is_bounded(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+) -> None:
+    endpoint(app, receiver.url(), events=["invoice.sent"])
+    [run_id] = publish(app).values()
+    receiver.script(Reply(500, headers={"content-type": "text/html"}, body=b"<p>\x00" + b"x" * 100_000))
+    attempt(app, delivery_settings, registry)
+    response = support.trail(engine, run_id)[-1].detail["webhook"]["response"]
+    assert response["body_truncated"] is True
+    assert len(response["body"].encode("utf-8")) <= 512 + 3  # the NUL became U+FFFD
+    assert response["body"].startswith("<p>\ufffdxxx")
+    assert response["content_type"] == "text/html"
+
+
+def test_an_endpoint_edited_after_the_publish_is_delivered_with_its_current_settings(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+) -> None:
+    moved = Receiver()
+    try:
+        endpoint_id, old_secret = endpoint(app, receiver.url("/v1"), events=["invoice.sent"])
+        [run_id] = publish(app).values()
+        with app() as session, session.begin():
+            item = session.get(webhooks.WebhookEndpoint, endpoint_id)
+            assert item is not None
+            webhooks.update_endpoint(item, url=moved.url("/v2"))
+            new_secret = webhooks.rotate_secret(item)
+        assert statuses(attempt(app, delivery_settings, registry)) == {str(run_id): "succeeded"}
+        assert receiver.requests == []
+        [request] = moved.requests
+        assert request.path == "/v2"
+        signatures = request.headers["webhook-signature"].split(" ")
+        assert len(signatures) == 2  # the new secret, and the old one in its grace period
+        assert verify(new_secret, request) and verify(old_secret, request)
+    finally:
+        moved.close()
+
+
+@pytest.mark.parametrize("change", ["disabled", "deleted", "unsubscribed"])
+def test_a_disabled_deleted_or_unsubscribed_endpoint_gets_nothing(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+    change: str,
+) -> None:
+    endpoint_id, _ = endpoint(app, receiver.url(), events=["invoice.sent", "order.paid"])
+    [run_id] = publish(app).values()
+    with app() as session, session.begin():
+        item = session.get(webhooks.WebhookEndpoint, endpoint_id)
+        assert item is not None
+        if change == "disabled":
+            webhooks.disable_endpoint(item)
+        elif change == "deleted":
+            session.delete(item)
+        else:
+            webhooks.update_endpoint(item, events=["order.paid"])
+    assert statuses(attempt(app, delivery_settings, registry)) == {str(run_id): "succeeded"}
+    assert receiver.requests == []
+    skipped = {"disabled": "endpoint-disabled", "deleted": "endpoint-deleted"}.get(
+        change, "event-unsubscribed"
+    )
+    assert support.trail(engine, run_id)[-1].detail["webhook"]["skipped"] == skipped
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_the_guard_refuses_loopback_at_the_first_attempt_without_the_allow_list(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+    host: str,
+) -> None:
+    endpoint(app, receiver.url(host=host), events=["invoice.sent"])
+    [run_id] = publish(app).values()
+    report = attempt(app, delivery_settings.replace(webhook_allowed_hosts=()), registry)
+    assert report.by_run_id(run_id).status == "failed"
+    assert receiver.requests == []
+    run = support.run_row(engine, run_id)
+    assert (run.attempts, run.last_error_type) == (1, "sqla_outbox.errors.WebhookRefused")
+    assert run.last_error.startswith(f"destination-refused: {host} ")
+    assert "(loopback)" in run.last_error
+    failed = support.trail(engine, run_id)[-1]
+    assert failed.detail["reason"] == "permanent-error"
+    assert "loopback" in failed.detail["webhook"]["refused"]
+
+
+def test_a_name_resolving_to_a_private_address_is_refused_and_never_connected(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    looked_up: list[str] = []
+
+    def resolve(host: str, port: int) -> list[str]:
+        looked_up.append(host)
+        return ["10.20.30.40"]
+
+    monkeypatch.setattr(destination_guard, "resolver", resolve)
+    endpoint(app, "https://hooks.tenant.test/in", events=["invoice.sent"])
+    [run_id] = publish(app).values()
+    assert statuses(attempt(app, delivery_settings, registry)) == {str(run_id): "failed"}
+    assert looked_up == ["hooks.tenant.test"]
+    run = support.run_row(engine, run_id)
+    assert run.attempts == 1
+    assert "hooks.tenant.test resolves to 10.20.30.40 (private)" in run.last_error
+    assert "address" not in support.trail(engine, run_id)[-1].detail["webhook"]  # no connection made
+
+
+def test_the_connection_goes_to_the_checked_address_and_keeps_the_host_name(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    answers = iter([["127.0.0.1"]])  # a second lookup (a rebinding window) would fail the test
+    monkeypatch.setattr(destination_guard, "resolver", lambda host, port: next(answers))
+    endpoint(app, receiver.url(host="receiver.test"), events=["invoice.sent"])
+    [run_id] = publish(app).values()
+    settings = delivery_settings.replace(webhook_allowed_hosts=("receiver.test",))
+    assert statuses(attempt(app, settings, registry)) == {str(run_id): "succeeded"}
+    [request] = receiver.requests
+    assert request.headers["host"] == f"receiver.test:{receiver.port}"
+    record = support.trail(engine, run_id)[-1].detail["webhook"]
+    assert (record["address"], record["destination"]) == (
+        "127.0.0.1",
+        f"http://receiver.test:{receiver.port}",
+    )
+
+
+def test_tls_uses_the_host_name_for_sni_and_certificate_checks(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    ca, cert, key = tls_files(tmp_path, "receiver.test")
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))  # trust the test CA (as for an internal CA)
+    monkeypatch.setattr(destination_guard, "resolver", lambda host, port: ["127.0.0.1"])
+    secure = Receiver(tls=server_tls_context(cert, key))
+    try:
+        endpoint(app, secure.url(host="receiver.test", scheme="https"), events=["invoice.sent"])
+        endpoint(app, secure.url(host="other.test", scheme="https"), events=["invoice.sent"])
+        deliveries = publish(app)
+        settings = delivery_settings.replace(webhook_allowed_hosts=("receiver.test", "other.test"))
+        report = attempt(app, settings, registry)
+        good, wrong_name = deliveries.values()
+        assert statuses(report) == {str(good): "succeeded", str(wrong_name): "retrying"}
+        [request] = secure.requests  # the certificate is for receiver.test only
+        assert request.headers["host"] == f"receiver.test:{secure.port}"
+        failure = support.trail(engine, wrong_name)[-1]
+        assert failure.error_message.startswith("connection: https://other.test:")
+        assert "CERTIFICATE_VERIFY_FAILED" in failure.error_message or "certificate" in failure.error_message
+    finally:
+        secure.close()
