@@ -45,7 +45,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqla_outbox import metrics, migrations
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
-from sqla_outbox.logging import log_extra
+from sqla_outbox.logging import error_fields, log_extra
 from sqla_outbox.relay import claim
 from sqla_outbox.relay.listen import NotifyListener
 from sqla_outbox.relay.schedule import Scheduler
@@ -119,13 +119,15 @@ def scheduling_catalog(settings: OutboxSettings, *, warn: bool = True) -> Catalo
 
 
 def make_engine(settings: OutboxSettings, *, pool_size: int = 2) -> Engine:
-    """Engine for relay/worker bookkeeping: pre-ping, and TCP keepalives so a vanished
-    peer is noticed within about 25 s."""
+    """Engine for relay/worker bookkeeping: pre-ping, TCP keepalives so a vanished peer is
+    noticed within about 25 s, and ``hide_parameters`` so a failed statement's error never
+    carries its parameters (an envelope, a payload) into a log line."""
     return sa.create_engine(
         settings.sqlalchemy_url,
         pool_size=pool_size,
         max_overflow=2,
         pool_pre_ping=True,
+        hide_parameters=True,
         connect_args={
             "keepalives": 1,
             "keepalives_idle": 10,
@@ -238,9 +240,7 @@ class Relay:
                         "the outbox tables are missing (run `python -m sqla_outbox migrate`); retrying"
                         if migrations.is_missing_outbox_table(exc)
                         else "relay lost the database; retrying",
-                        extra=log_extra(
-                            action="relay.db_error", error_type=type(exc.orig).__name__, retry_in_s=backoff
-                        ),
+                        extra=log_extra(action="relay.db_error", **error_fields(exc), retry_in_s=backoff),
                     )
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, 10.0)

@@ -532,7 +532,7 @@ class _AsyncBridge:
         url = engine.url
         if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2", "postgresql+pg8000"):
             url = url.set(drivername="postgresql+psycopg")
-        self.engine = create_async_engine(url)
+        self.engine = create_async_engine(url, hide_parameters=engine.hide_parameters)
         self.session_factory: Any = async_sessionmaker(self.engine)
         install(self.session_factory, settings, catalog=catalog)
         try:
