@@ -63,6 +63,7 @@ LETTER_KEYS = {
     "failed_at",
     "age_seconds",
     "run_status",
+    "origin",
 }
 
 
