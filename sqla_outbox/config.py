@@ -555,6 +555,12 @@ def _check_database_url(url: str, field: str = "database_url") -> None:
         f"{parsed.drivername!r} is not supported ({shown}): sqla_outbox supports only PostgreSQL "
         "(through psycopg 3); use postgresql://user:password@host:5432/database",
     )
+    _check(
+        "@" not in (parsed.host or ""),
+        "database_url",
+        f"{shown!r} has an '@' in its password: write it as %40 (SQLAlchemy and libpq end the "
+        "password at the first '@' and would take the rest for the host name)",
+    )
 
 
 def _check_endpoint_url(url: str) -> None:

@@ -16,7 +16,11 @@ Between passes the relay waits for whichever comes first:
 
 * a wake: BLPOP on the Valkey wake key (:mod:`sqla_outbox.wakeup`) and/or a PostgreSQL
   notification (``LISTEN`` on a connection of its own, :mod:`sqla_outbox.relay.listen`),
-  each in a listener thread, as ``wake_mode`` says;
+  each in a listener thread, as ``wake_mode`` says; except that right after a pass a wake
+  started and that found nothing, the next wake waits :data:`WAKE_HOLD_SECONDS`: a flood
+  of wakes (pushes on the wake key by anyone who may write to Valkey, or NOTIFYs) then
+  costs at most 1 / WAKE_HOLD_SECONDS empty passes a second, and a wake that finds rows is
+  served at once;
 * the earliest future ``available_at`` it knows of (database clock), so delayed runs go
   out on time rather than at the next sweep;
 * the sweep interval (``relay_sweep_interval_seconds``), the guarantee when wakes are lost;
@@ -55,6 +59,10 @@ from sqla_outbox.wakeup import WakeListener
 logger = logging.getLogger(__name__)
 
 _STATS_INTERVAL_SECONDS = 5.0
+
+WAKE_HOLD_SECONDS = 0.05
+"""After a wake-started pass that claimed nothing, the next wake is served no sooner than
+this (at most 20 empty wake-driven passes a second, however fast the key is pushed)."""
 
 
 @dataclasses.dataclass
@@ -170,6 +178,7 @@ class Relay:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._stats_due = 0.0
+        self._wakes_held_until = 0.0
         self._thread: threading.Thread | None = None
         self.scheduler = _make_scheduler(settings, catalog)
         self._next_slot_at: float | None = None
@@ -303,10 +312,15 @@ class Relay:
             self._wake.set()  # first pass at once
             result = PassResult()
             while not self._stop.is_set():
-                self._wait_for_work(connection, last_claimed=result.claimed)
+                woken = self._wait_for_work(connection, last_claimed=result.claimed)
                 if self._stop.is_set():
                     break
                 result = self.pass_once(connection)
+                metrics.RELAY_PASSES.labels(
+                    "wake" if woken else "timer", "yes" if result.claimed else "no"
+                ).inc()
+                if woken and not result.claimed:  # a wake for nothing: hold the next one
+                    self._wakes_held_until = time.monotonic() + WAKE_HOLD_SECONDS
                 if self.scheduler is not None and self._slot_due():
                     if self.scheduler.tick(connection):
                         self._wake.set()
@@ -319,27 +333,32 @@ class Relay:
             self._unlock(connection)
             self._set_leader(False)
 
-    def _wait_for_work(self, connection: Connection, *, last_claimed: int) -> None:
+    def _wait_for_work(self, connection: Connection, *, last_claimed: int) -> bool:
+        """Wait for the next reason to pass; True when it is a wake (or an internal
+        "go now"), False for a timer (sweep, a delayed run's due time, a schedule slot)."""
         self._refresh_stats(connection)
-        if self._wake.is_set():
-            self._wake.clear()
-            return
-        timeout = self.settings.relay_sweep_interval_seconds
-        due = claim.seconds_until_next_due(connection)
-        connection.commit()
-        if due is not None:
-            if due > 0:
-                timeout = min(timeout, due)  # the next delayed run, to the millisecond
-            elif last_claimed:
-                return  # became due since the last pass: go now
-            else:
-                # due but the last pass could claim nothing: locked by another
-                # transaction; look again shortly rather than spin
-                timeout = min(timeout, 0.02)
-        if self._next_slot_at is not None:
-            timeout = min(timeout, max(self._next_slot_at - time.monotonic(), 0.0))
-        self._wake.wait(timeout)
+        if not self._wake.is_set():
+            timeout = self.settings.relay_sweep_interval_seconds
+            due = claim.seconds_until_next_due(connection)
+            connection.commit()
+            if due is not None:
+                if due > 0:
+                    timeout = min(timeout, due)  # the next delayed run, to the millisecond
+                elif last_claimed:
+                    return False  # became due since the last pass: go now
+                else:
+                    # due but the last pass could claim nothing: locked by another
+                    # transaction; look again shortly rather than spin
+                    timeout = min(timeout, 0.02)
+            if self._next_slot_at is not None:
+                timeout = min(timeout, max(self._next_slot_at - time.monotonic(), 0.0))
+            if not self._wake.wait(timeout):
+                return False
+        hold = self._wakes_held_until - time.monotonic()
+        if hold > 0:
+            self._stop.wait(hold)  # the last wake found nothing: a flood is not served faster
         self._wake.clear()
+        return True
 
     def _slot_due(self) -> bool:
         return self._next_slot_at is None or time.monotonic() >= self._next_slot_at

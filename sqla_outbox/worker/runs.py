@@ -301,13 +301,10 @@ def mark_dead_lettered(
 
 _OUTBOX_PENDING = text(
     """
-SELECT EXISTS (
-    SELECT 1 FROM (
-        (SELECT sent_at FROM outbox_messages WHERE run_id = :run_id FOR SHARE)
-        UNION ALL
-        (SELECT sent_at FROM platform_outbox_messages WHERE run_id = :run_id FOR SHARE)
-    ) AS row WHERE row.sent_at IS NULL
-)
+WITH tenant AS (SELECT sent_at FROM outbox_messages WHERE run_id = :run_id FOR SHARE),
+platform AS (SELECT sent_at FROM platform_outbox_messages WHERE run_id = :run_id FOR SHARE)
+SELECT EXISTS (SELECT 1 FROM tenant WHERE sent_at IS NULL)
+    OR EXISTS (SELECT 1 FROM platform WHERE sent_at IS NULL)
 """
 ).bindparams(bindparam("run_id", type_=UUID(as_uuid=True)))
 
