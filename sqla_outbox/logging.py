@@ -28,6 +28,7 @@ import datetime as dt
 import json
 import logging
 import sys
+import threading
 import traceback
 import unicodedata
 from typing import Any
@@ -199,6 +200,22 @@ class TextFormatter(logging.Formatter):
         return safe_traceback(ei[1]) if ei[1] is not None else super().formatException(ei)
 
 
+def _log_thread_failure(args: threading.ExceptHookArgs) -> None:
+    """An exception that ended a thread, logged like any other (safe traceback)."""
+    if args.exc_value is None or isinstance(args.exc_value, SystemExit):
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("sqla_outbox").error(
+        "a thread failed",
+        extra=log_extra(
+            action="thread.failed",
+            thread=name,
+            **error_fields(args.exc_value),
+            traceback=safe_traceback(args.exc_value),
+        ),
+    )
+
+
 def configure(*, verbose: int = 0, json_lines: bool = False) -> None:
     """Send ``sqla_outbox`` logs to stderr (CLI entry points only).
 
@@ -218,4 +235,5 @@ def configure(*, verbose: int = 0, json_lines: bool = False) -> None:
     if not root.handlers:
         root.addHandler(handler)
         root.setLevel(logging.WARNING)
+    threading.excepthook = _log_thread_failure  # not Python's raw traceback on stderr
     logging.getLogger("botocore").setLevel(logging.WARNING)

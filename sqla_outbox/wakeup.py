@@ -151,6 +151,11 @@ def _listener_client(url: str, timeout_seconds: float) -> redis.Redis:
     options: dict[str, Any] = {"protocol": 2}
     if parser is not None:
         options["parser_class"] = parser
+    else:  # pragma: no cover - every supported redis-py has the parser
+        logger.warning(
+            "this redis-py has no RESP2 parser to bound: wake elements are read whole",
+            extra=log_extra(action="relay.wake_unbounded"),
+        )
     return redis.Redis.from_url(
         url,
         socket_timeout=timeout_seconds,

@@ -46,9 +46,9 @@ import click
 
 from sqla_outbox.cli.options import EXIT_CHECK_FAILED, EXIT_CONFIG, EXIT_OK
 from sqla_outbox.cli.terminal import console as make_console
+from sqla_outbox.cli.terminal import echo, print_json, styled
 from sqla_outbox.cli.terminal import grid as make_grid
 from sqla_outbox.cli.terminal import progress as make_progress
-from sqla_outbox.cli.terminal import styled
 from sqla_outbox.cli.terminal import table as make_table
 from sqla_outbox.config import OutboxSettings, redact_url, with_database
 
@@ -121,7 +121,7 @@ def demo_command(
     if not (SHOP / "tasks.py").exists() and (Path.cwd() / "examples" / "shop" / "tasks.py").exists():
         REPO_ROOT, SHOP = Path.cwd(), Path.cwd() / "examples" / "shop"  # a checkout, installed non-editable
     if not (SHOP / "tasks.py").exists():
-        click.echo(
+        echo(
             "error: the demo needs the example shop (examples/shop) of a source checkout: run it "
             "from the checkout's root (./scripts/demo), or install the checkout with `pip install -e .`",
             err=True,
@@ -137,7 +137,7 @@ def demo_command(
         console.print("interrupted: relay and worker stopped")
         sys.exit(130)
     if as_json:
-        click.echo(json.dumps(summary, indent=2, default=str))
+        print_json(summary)
     else:
         _print_summary(summary, console)
     sys.exit(EXIT_OK if summary["ok"] else EXIT_CHECK_FAILED)

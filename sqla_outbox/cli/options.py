@@ -188,7 +188,9 @@ def handle_errors(show_traceback: bool) -> Iterator[None]:
             # by type, SQLSTATE and constraint only (--traceback shows the rest)
             echo(f"error: the database refused the operation: {outbox_logging.describe_error(exc)}", err=True)
             sys.exit(EXIT_CHECK_FAILED)
-        raise
+        # a bug: the stack helps, but a database error among its causes keeps its text hidden
+        echo(outbox_logging.safe_traceback(exc), err=True)
+        sys.exit(EXIT_CHECK_FAILED)
 
 
 def _connection_error_summary(exc: BaseException) -> str:

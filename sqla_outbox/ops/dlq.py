@@ -303,7 +303,9 @@ class DeadLetterScan:
         self.visibility_seconds = visibility_seconds
         self.max_messages = max_messages
         self.truncated = False
-        self._held: dict[str, Received] = {}
+        self._held: dict[str, str] = {}
+        """message id → newest receipt handle of what was received and not deleted (no bodies:
+        a scan may hold thousands of messages)."""
         self._seen: set[str] = set()
 
     def __enter__(self) -> DeadLetterScan:
@@ -342,7 +344,7 @@ class DeadLetterScan:
             for message in messages:
                 received = parse_message(self.queue, self.dlq_name, message, now=now, keys=self.keys)
                 message_id = received.letter.message_id
-                self._held[message_id] = received  # newest receipt handle wins
+                self._held[message_id] = received.receipt_handle  # newest receipt handle wins
                 if message_id not in self._seen:
                     self._seen.add(message_id)
                     batch.append(received)
@@ -378,15 +380,15 @@ class DeadLetterScan:
     def release(self) -> None:
         """Make every held (received, not deleted) message visible again at once."""
         held = list(self._held.values())
-        self._held.clear()
+        self._held.clear()  # receipt handles
         for start in range(0, len(held), SQS_MAX_BATCH_ENTRIES):
             chunk = held[start : start + SQS_MAX_BATCH_ENTRIES]
             try:
                 self.client.change_message_visibility_batch(
                     QueueUrl=self.url,
                     Entries=[
-                        {"Id": str(i), "ReceiptHandle": m.receipt_handle, "VisibilityTimeout": 0}
-                        for i, m in enumerate(chunk)
+                        {"Id": str(i), "ReceiptHandle": handle, "VisibilityTimeout": 0}
+                        for i, handle in enumerate(chunk)
                     ],
                 )
             except Exception as exc:  # they become visible anyway when the visibility ends
@@ -398,8 +400,7 @@ class DeadLetterScan:
                 )
 
     def _handle(self, message: Received) -> str:
-        held = self._held.get(message.letter.message_id)
-        return held.receipt_handle if held is not None else message.receipt_handle
+        return self._held.get(message.letter.message_id, message.receipt_handle)
 
 
 def list_dead_letters(

@@ -215,6 +215,7 @@ _SKIPPED = {
     runs.ClaimStatus.SUCCEEDED: "already-succeeded",
     runs.ClaimStatus.FAILED: "already-failed",
     runs.ClaimStatus.LEASED: "leased",
+    runs.ClaimStatus.NOT_DUE: "not-due",
 }
 
 
@@ -399,6 +400,7 @@ class _InlineRunner:
                     worker_id=WORKER_ID,
                     lease_seconds=VISIBILITY_TIMEOUT_SECONDS[env.queue],
                     receive_count=receive_count,
+                    honour_due_time=False,  # rows were picked by due time, or include_delayed
                 )
             if claim.status is not runs.ClaimStatus.CLAIMED:
                 leased = claim.status is runs.ClaimStatus.LEASED

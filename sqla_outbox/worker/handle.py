@@ -12,9 +12,9 @@
    executed. A finished run → the copy is acknowledged and skipped (a failed run whose
    DLQ send was interrupted gets it completed). A live lease elsewhere → the copy is
    hidden until that lease would expire; it runs only if the other worker vanished. A
-   run not due yet (``available_at`` ahead) → an early copy: deleted while the relay
-   still holds the run's own message, else hidden until the due time
-   (:func:`_early_copy`); the run's attempts are untouched.
+   run not due yet (``available_at`` ahead) → an early copy, hidden until the due time or,
+   when that is more than a minute away and the relay still holds the run's own message,
+   deleted (:func:`_early_copy`); the run's attempts are untouched.
 4. **Check** the receive count (a message redelivered past ``max_receives`` without a
    verdict, e.g. after worker crashes, goes to the DLQ) and that a handler exists.
 5. **Run** the handler with its timeout, heartbeat running (see ``heartbeat.py``). The
@@ -417,20 +417,31 @@ async def _dead_letter_foreign(runtime: Runtime, flight: InFlight, *, reason: st
     metrics.DLQ_SENDS.labels(flight.queue, reason.split(":")[0]).inc()
 
 
+EARLY_COPY_HIDE_SECONDS = 60
+"""A copy due within this long is hidden until its due time rather than deleted: it might
+be the relay's own message, sent as the database clock stepped back, whose ``sent_at`` is
+not committed yet (PostgreSQL ``clock_timestamp()`` follows the system clock)."""
+
+
 async def _early_copy(runtime: Runtime, flight: InFlight, due_in_seconds: float) -> None:
     """A message for a run that is not due yet: the relay sends a run only once it is due,
-    so this is a copy (someone resent a delayed run's message). It never runs early, and it
-    spends none of the run's attempts nor its own message's receives (SQS counts every
-    receive toward the redrive limit):
+    so this is a copy (someone resent a delayed run's message). It never runs early, and
+    it spends none of the run's attempts nor receives of the run's own message (SQS counts
+    every receive toward the redrive limit):
 
-    * while the run's outbox row is pending, the relay sends the run's own message at its
-      due time: the copy is deleted;
-    * otherwise (the row was sent: the database clock stepped back, or the row was edited)
-      the copy is hidden until the due time and handled again then.
+    * due within :data:`EARLY_COPY_HIDE_SECONDS`: hidden until the due time, then handled
+      again (one more receive of this copy only);
+    * later, while the run's outbox row is pending: the relay sends the run's own message
+      at its due time, so the copy is deleted (hiding it for hours would spend a receive of
+      it every 12 hours, the SQS visibility limit);
+    * later, with the row already sent (a clock stepped back, a row edited by hand):
+      hidden until the due time.
     """
     assert flight.run_id is not None
     run_id = flight.run_id
-    pending = await runtime.io(runtime.in_transaction, lambda conn: runs.outbox_pending(conn, run_id))
+    pending = due_in_seconds > EARLY_COPY_HIDE_SECONDS and await runtime.io(
+        runtime.in_transaction, lambda conn: runs.outbox_pending(conn, run_id)
+    )
     runtime.counters.foreign += 1
     if pending:
         _log(

@@ -89,7 +89,8 @@ claimed AS (
     FROM prev, checked
     WHERE t.run_id = prev.run_id AND prev.task = :task
       AND prev.tenant_id IS NOT DISTINCT FROM :tenant_id AND checked.envelope_matches
-      AND (CAST(:queue AS text) IS NULL OR prev.queue = :queue) AND prev.due_in <= 0
+      AND (CAST(:queue AS text) IS NULL OR prev.queue = :queue)
+      AND (prev.due_in <= 0 OR NOT CAST(:honour_due_time AS boolean))
       AND (prev.status IN ('queued', 'retrying')
            OR (prev.status = 'running' AND (prev.lease_left IS NULL OR prev.lease_left <= 0)))
     RETURNING t.attempts
@@ -122,6 +123,7 @@ def take_lease(
     receive_count: int,
     document: str | None = None,
     queue: str | None = None,
+    honour_due_time: bool = True,
 ) -> Claim:
     """Take the run's lease for a new attempt if nobody holds a live one and the run is due.
 
@@ -139,6 +141,8 @@ def take_lease(
             queue, event, key or trace is refused as MISMATCH, whatever the run's status.
             None skips the comparison (test helpers that build their own messages).
         queue: The envelope's queue; None skips the comparison.
+        honour_due_time: False takes a run that is not due yet (the inline test runner's
+            ``include_delayed``); the worker always passes True.
     """
     row = connection.execute(
         _TAKE,
@@ -151,6 +155,7 @@ def take_lease(
             "receive_count": receive_count,
             "document": document,
             "queue": queue,
+            "honour_due_time": honour_due_time,
         },
     ).one_or_none()
     if row is None:
@@ -164,7 +169,7 @@ def take_lease(
         or (queue is not None and row.queue != queue)
     ):
         return Claim(ClaimStatus.MISMATCH, previous_status=row.status)
-    if row.status in ("queued", "retrying") and row.due_in > 0:
+    if honour_due_time and row.status in ("queued", "retrying") and row.due_in > 0:
         return Claim(ClaimStatus.NOT_DUE, previous_status=row.status, due_in_seconds=float(row.due_in))
     if row.status == "succeeded":
         return Claim(ClaimStatus.SUCCEEDED, previous_status=row.status)
@@ -301,20 +306,15 @@ def mark_dead_lettered(
 
 _OUTBOX_PENDING = text(
     """
-WITH tenant AS (SELECT sent_at FROM outbox_messages WHERE run_id = :run_id FOR SHARE),
-platform AS (SELECT sent_at FROM platform_outbox_messages WHERE run_id = :run_id FOR SHARE)
-SELECT EXISTS (SELECT 1 FROM tenant WHERE sent_at IS NULL)
-    OR EXISTS (SELECT 1 FROM platform WHERE sent_at IS NULL)
+SELECT EXISTS (SELECT 1 FROM outbox_messages WHERE run_id = :run_id AND sent_at IS NULL)
+    OR EXISTS (SELECT 1 FROM platform_outbox_messages WHERE run_id = :run_id AND sent_at IS NULL)
 """
 ).bindparams(bindparam("run_id", type_=UUID(as_uuid=True)))
 
 
 def outbox_pending(connection: Connection, run_id: uuid.UUID) -> bool:
-    """Whether the run's outbox row is still pending (the relay has not sent it yet).
-
-    ``FOR SHARE`` waits for a relay transaction that holds the row (it claimed it and is
-    sending it), so a row being sent right now reads as sent once that commits.
-    """
+    """Whether the run's outbox row is still pending (the relay has not sent it yet, as far
+    as committed data says: a relay sending it right now has not committed ``sent_at``)."""
     return bool(connection.execute(_OUTBOX_PENDING, {"run_id": run_id}).scalar())
 
 
