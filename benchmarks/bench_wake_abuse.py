@@ -260,16 +260,12 @@ def main() -> None:
         10,
         higher_is_better=False,
     )
-    report.ratio(
-        "flood: database transactions/s", ours["flood"]["transactions_per_s"], 45, higher_is_better=False
-    )
-    report.ratio("wrong-type: log lines/s", ours["wrong-type"]["log_lines_per_s"], 1, higher_is_better=False)
-    report.ratio(
-        "wrong-type: database transactions/s",
-        ours["wrong-type"]["transactions_per_s"],
-        1,
-        higher_is_better=False,
-    )
+    flood = ours["flood"]["transactions_per_s"]
+    report.ratio("flood: database transactions/s", flood, 45, higher_is_better=False)
+    lines = ours["wrong-type"]["log_lines_per_s"]
+    report.ratio("wrong-type: log lines/s since the relay became active", lines, 1, higher_is_better=False)
+    extra = ours["wrong-type"]["transactions_per_s"] - ours["idle"]["transactions_per_s"]
+    report.ratio("wrong-type: database transactions/s above idle", extra, 0.5, higher_is_better=False)
     report.emit()
 
 

@@ -179,6 +179,8 @@ class Relay:
         self._wake = threading.Event()
         self._stats_due = 0.0
         self._wakes_held_until = 0.0
+        self._again = False
+        """Pass again at once, for the relay's own reasons (a full batch, a scheduled run)."""
         self._thread: threading.Thread | None = None
         self.scheduler = _make_scheduler(settings, catalog)
         self._next_slot_at: float | None = None
@@ -309,7 +311,7 @@ class Relay:
         notify_listener = NotifyListener(self.settings, self._wake.set)
         notify_listener.start()
         try:
-            self._wake.set()  # first pass at once
+            self._again = True  # first pass at once
             result = PassResult()
             while not self._stop.is_set():
                 woken = self._wait_for_work(connection, last_claimed=result.claimed)
@@ -323,10 +325,10 @@ class Relay:
                     self._wakes_held_until = time.monotonic() + WAKE_HOLD_SECONDS
                 if self.scheduler is not None and self._slot_due():
                     if self.scheduler.tick(connection):
-                        self._wake.set()
+                        self._again = True
                     self._plan_next_slot(connection)
                 if result.full:
-                    self._wake.set()
+                    self._again = True
         finally:
             listener.stop()
             notify_listener.stop()
@@ -334,9 +336,13 @@ class Relay:
             self._set_leader(False)
 
     def _wait_for_work(self, connection: Connection, *, last_claimed: int) -> bool:
-        """Wait for the next reason to pass; True when it is a wake (or an internal
-        "go now"), False for a timer (sweep, a delayed run's due time, a schedule slot)."""
+        """Wait for the next reason to pass; True when it is a wake (the listener or
+        :meth:`wake`), False for the relay's own reasons (sweep, a delayed run's due time, a
+        schedule slot, a full batch, the first pass)."""
         self._refresh_stats(connection)
+        if self._again:
+            self._again = False
+            return False
         if not self._wake.is_set():
             timeout = self.settings.relay_sweep_interval_seconds
             due = claim.seconds_until_next_due(connection)
