@@ -6,6 +6,7 @@ Issue 12 (2) and (5); ``docs/security.md`` ("Logs and terminals") cites these te
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -44,7 +45,8 @@ def test_no_payload_reaches_a_log_line_when_the_database_fails(
     """A database error in the worker's lease statement (whose parameters hold the
     envelope), in the relay's mark-sent statement (PostgreSQL quotes the failing row, the
     envelope included) and in the CLI's requeue (a trigger refuses the rebuilt row): every
-    line the three processes print is searched for the payload's marker."""
+    line the three processes print is searched for the payload's marker. Receipt handles
+    appear only shortened (8 characters and the length)."""
     signed = {"SQLA_OUTBOX_SIGNING_KEYS": KEY}
     relay = start_relay(settings, sqs_endpoint, **signed)
     worker = start_worker(settings, sqs_endpoint, **signed)
@@ -108,6 +110,8 @@ def test_no_payload_reaches_a_log_line_when_the_database_fails(
     lines = relay.raw + worker.raw + "".join(printed).splitlines()
     assert relay.actions("relay.db_error") and worker.actions("worker.handle_error")
     assert [line for line in lines if MARKER in line] == []
+    receipts = [entry["receipt"] for entry in worker.logs if "receipt" in entry]
+    assert receipts and all(re.fullmatch(r".{8}…\(\d+\)", receipt) for receipt in receipts)
 
 
 def test_query_passwords_and_at_signs_are_masked_in_config_migrate_and_check(pg_url: str) -> None:

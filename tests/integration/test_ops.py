@@ -1008,3 +1008,65 @@ def test_with_signing_a_run_whose_only_dlq_copy_is_forged_is_not_rebuilt(
         assert relay.run_once().claimed == 0
     finally:
         relay.sender.close()
+
+
+def test_a_copy_found_in_another_queues_dlq_is_never_acted_on(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+    waker: Waker,
+) -> None:
+    """A run's own DLQ message is in its own queue's DLQ; a copy in another DLQ is not."""
+    run_id = dispatch(app, "audit", {"n": 1})
+    relay.run_once()
+    [genuine] = fail_into_dlq(engine, sqs, ops_settings, "default", {run_id}).values()
+    sqs.purge_queue(QueueUrl=queues["default-dlq"])
+    sqs.send_message(
+        QueueUrl=queues["bulk-dlq"],
+        MessageBody=genuine["Body"],
+        MessageAttributes={
+            **genuine["MessageAttributes"],
+            "reason": {"DataType": "String", "StringValue": "permanent-error"},
+        },
+    )
+
+    report = requeue.requeue(engine, sqs, ops_settings, dlq.DeadLetterFilter(tasks=("audit",)), waker=waker)
+
+    [item] = report.items
+    assert (item.action, item.reason) == ("skipped", "foreign-message")
+    assert "found in the bulk DLQ" in (item.detail or "")
+    assert run_row(engine, run_id).status == "failed"
+
+
+def test_a_requeue_holds_at_most_one_body_per_run_whatever_the_dlq_holds(
+    engine: sa.Engine, ops_settings: OutboxSettings, sqs: Any, queues: dict[str, str]
+) -> None:
+    """A DLQ filled with 20 MB of bodies naming runs (here, none that exist) is read whole
+    before any run is decided; the scan keeps receipt handles and digests, not bodies, so
+    memory holds about one received batch (before: every body, 23 MiB traced)."""
+    import tracemalloc
+
+    body = json.dumps({"v": 1, "pad": "x" * 200_000})
+    count = 100
+    for _ in range(count):
+        sqs.send_message(
+            QueueUrl=queues["default-dlq"],
+            MessageBody=body,
+            MessageAttributes={
+                **envelope.message_attributes(uuid.uuid4(), "audit", None),
+                "reason": {"DataType": "String", "StringValue": "permanent-error"},
+            },
+        )
+    tracemalloc.start()
+    try:
+        report = requeue.requeue(
+            engine, sqs, ops_settings, dlq.DeadLetterFilter(queues=("default",)), trust_dlq_body=True
+        )
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [i.reason for i in report.items] == ["unknown-run"] * count
+    assert peak < 12 * 2**20, f"{peak / 2**20:.1f} MiB traced"
