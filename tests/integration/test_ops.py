@@ -794,6 +794,26 @@ def dlq_bodies(sqs: Any, url: str, expect: int) -> list[dict[str, Any]]:
     return [json.loads(m["Body"]) for m in visible_messages(sqs, url, expect=expect)]
 
 
+def dlq_message_gone(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    sqs: Any,
+    settings: OutboxSettings,
+    relay: Relay,
+    queue: str,
+    task: str,
+    payload: dict[str, Any],
+    **options: Any,
+) -> tuple[uuid.UUID, dict[str, Any]]:
+    """A run that failed into ``queue``'s DLQ, whose DLQ message is then gone (expired,
+    deleted by hand); returns the run and its genuine DLQ message as it was."""
+    run_id = dispatch(app, task, payload, **options)
+    relay.run_once()
+    [genuine] = fail_into_dlq(engine, sqs, settings, queue, {run_id}).values()
+    sqs.purge_queue(QueueUrl=QueueDirectory(sqs, settings).dlq_url(queue))
+    return run_id, genuine
+
+
 def test_without_signing_a_purged_row_is_never_rebuilt_from_a_dlq_body_by_default(
     app: sessionmaker[Session],
     engine: sa.Engine,
@@ -805,10 +825,17 @@ def test_without_signing_a_purged_row_is_never_rebuilt_from_a_dlq_body_by_defaul
 ) -> None:
     """Issue 12 (1): a forged DLQ message naming a failed, purged charge run. Before, a
     routine ``dlq requeue --task`` rebuilt the row from it and the relay signed and sent it."""
-    run_id = dispatch(app, "charge_card", {"amount": 10, "to": "shop"}, tenant_id=3)
-    relay.run_once()
-    [genuine] = fail_into_dlq(engine, sqs, ops_settings, "critical", {run_id}).values()
-    sqs.purge_queue(QueueUrl=queues["critical-dlq"])  # the genuine DLQ message expired
+    run_id, genuine = dlq_message_gone(
+        app,
+        engine,
+        sqs,
+        ops_settings,
+        relay,
+        "critical",
+        "charge_card",
+        {"amount": 10, "to": "shop"},
+        tenant_id=3,
+    )
     execute(engine, "DELETE FROM outbox_messages WHERE run_id = :r", r=run_id)  # purged
     forge_dlq_message(sqs, queues["critical-dlq"], genuine["Body"], reason=None)  # straight into the DLQ
     forge_dlq_message(sqs, queues["critical-dlq"], genuine["Body"], reason="permanent-error")
@@ -887,10 +914,7 @@ def test_a_message_without_a_worker_verdict_is_only_requeued_on_request(
 ) -> None:
     """No ``reason`` attribute: moved by the redrive policy or put straight into the DLQ; the
     two look alike, so neither is requeued unless asked (the outbox row is still the truth)."""
-    run_id = dispatch(app, "audit", {"n": 1})
-    relay.run_once()
-    [genuine] = fail_into_dlq(engine, sqs, ops_settings, "default", {run_id}).values()
-    sqs.purge_queue(QueueUrl=queues["default-dlq"])
+    run_id, genuine = dlq_message_gone(app, engine, sqs, ops_settings, relay, "default", "audit", {"n": 1})
     sqs.send_message(
         QueueUrl=queues["default-dlq"],
         MessageBody=genuine["Body"],
@@ -985,10 +1009,17 @@ def test_with_signing_a_run_whose_only_dlq_copy_is_forged_is_not_rebuilt(
     signed = ops_settings.replace(signing_keys=(SIGNING_KEY,))
     relay = Relay(signed, engine=engine)
     try:
-        run_id = dispatch(app, "charge_card", {"amount": 10, "to": "shop"}, tenant_id=3)
-        relay.run_once()
-        [genuine] = fail_into_dlq(engine, sqs, signed, "critical", {run_id}).values()
-        sqs.purge_queue(QueueUrl=queues["critical-dlq"])
+        run_id, genuine = dlq_message_gone(
+            app,
+            engine,
+            sqs,
+            signed,
+            relay,
+            "critical",
+            "charge_card",
+            {"amount": 10, "to": "shop"},
+            tenant_id=3,
+        )
         execute(engine, "DELETE FROM outbox_messages WHERE run_id = :r", r=run_id)
         forge_dlq_message(sqs, queues["critical-dlq"], genuine["Body"], reason="permanent-error")
 
@@ -1020,10 +1051,7 @@ def test_a_copy_found_in_another_queues_dlq_is_never_acted_on(
     waker: Waker,
 ) -> None:
     """A run's own DLQ message is in its own queue's DLQ; a copy in another DLQ is not."""
-    run_id = dispatch(app, "audit", {"n": 1})
-    relay.run_once()
-    [genuine] = fail_into_dlq(engine, sqs, ops_settings, "default", {run_id}).values()
-    sqs.purge_queue(QueueUrl=queues["default-dlq"])
+    run_id, genuine = dlq_message_gone(app, engine, sqs, ops_settings, relay, "default", "audit", {"n": 1})
     sqs.send_message(
         QueueUrl=queues["bulk-dlq"],
         MessageBody=genuine["Body"],
