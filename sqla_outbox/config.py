@@ -557,7 +557,7 @@ def _check_database_url(url: str, field: str = "database_url") -> None:
     )
     _check(
         "@" not in (parsed.host or ""),
-        "database_url",
+        field,
         f"{shown!r} has an '@' in its password: write it as %40 (SQLAlchemy and libpq end the "
         "password at the first '@' and would take the rest for the host name)",
     )
