@@ -14,12 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import prometheus_client
+import psycopg
 import pytest
 import redis
 import sqlalchemy as sa
 
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.relay import WAKE_HOLD_SECONDS, Relay
+from sqla_outbox.types import WAKE_CHANNEL
 from sqla_outbox.wakeup import WAKE_ELEMENT_MAX_BYTES, WakeListener, Waker
 from tests.support import private_valkey, wait_for
 
@@ -190,6 +192,48 @@ def test_a_push_flood_drives_a_bounded_number_of_database_passes(
     # passes (one transaction each, plus at most one due-time query per pass) and the flood
     assert transactions <= 2 * bound + 40, (transactions, pushes)
     print(f"{pushes} pushes, {passes:.0f} wake passes, {transactions} transactions in {elapsed:.1f} s")
+
+
+def test_a_notify_flood_drives_a_bounded_number_of_database_passes(
+    settings: OutboxSettings, database_url: str
+) -> None:
+    """The same hold bounds the PostgreSQL wake: anyone who can log in may NOTIFY the channel."""
+    engine = sa.create_engine(database_url)
+    relay = Relay(
+        settings.replace(wake_mode="postgres", relay_scheduler=False, relay_sweep_interval_seconds=30),
+        engine=engine,
+    )
+    relay.start_in_thread()
+    stop = threading.Event()
+    notifies = 0
+
+    def flood() -> None:
+        nonlocal notifies
+        with psycopg.connect(
+            database_url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True
+        ) as conn:
+            while not stop.is_set():
+                conn.execute(f"SELECT pg_notify('{WAKE_CHANNEL}', '')")
+                notifies += 1
+
+    try:
+        wait_for(lambda: relay.is_leader, timeout=10)
+        time.sleep(1.0)  # the first pass is done and the listener listens
+        before = _sample("wake", "no") + _sample("wake", "yes")
+        started = time.monotonic()
+        flooder = threading.Thread(target=flood)
+        flooder.start()
+        time.sleep(3.0)
+        stop.set()
+        flooder.join()
+        elapsed = time.monotonic() - started
+        passes = _sample("wake", "no") + _sample("wake", "yes") - before
+    finally:
+        relay.stop()
+        relay.join(10)
+        engine.dispose()
+    assert notifies > 300, notifies
+    assert 0 < passes <= elapsed / WAKE_HOLD_SECONDS + 5, (passes, notifies)
 
 
 def test_the_documented_acl_lets_the_application_only_push_on_the_wake_key(
