@@ -38,11 +38,13 @@ from typing import Any, Literal
 
 import jsonschema
 
-from sqla_outbox import errors
+from sqla_outbox import errors, types
 from sqla_outbox.types import QUEUE_NAMES
 
 CATALOG_VERSION = 1
-NAME_PATTERN = r"^[A-Za-z0-9_.:-]{1,200}$"
+NAME_PATTERN = rf"^{types.NAME_PATTERN}(?![\s\S])"
+"""JSON Schema ``pattern`` of task and event names: the whole string (the lookahead, not
+``$``, ends it, because Python's ``$`` also matches before a trailing newline)."""
 
 Scope = Literal["tenant", "platform", "any"]
 

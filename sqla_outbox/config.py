@@ -233,6 +233,13 @@ class OutboxSettings:
         "Unset: no HTTP server.",
         aliases=("SQLA_OUTBOX_METRICS_PORT",),
     )
+    health_host: str = _setting(
+        "0.0.0.0",  # noqa: S104 - probes and scrapers reach the process from outside by default
+        "Address the HTTP probe binds: `0.0.0.0` (every IPv4 interface: what an orchestrator's "
+        "probes and a Prometheus scraper on another host need), `::` (every interface, IPv6 too), "
+        "`127.0.0.1` to answer only on the host, or one interface's address. The probe has no "
+        "authentication; `/metrics` names tasks and queues.",
+    )
 
     # --- webhooks ------------------------------------------------------------------------
     webhook_allowed_hosts: tuple[str, ...] = _setting(
@@ -423,12 +430,73 @@ def with_database(url: str, database: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, "/" + database, parts.query, parts.fragment))
 
 
-_PASSWORD = re.compile(r"(://[^:/@]*:)([^@]*)(@)")
+MASK = "***"
+_SECRET_QUERY_KEY = re.compile(r"pass|pwd|secret|token|credential", re.IGNORECASE)
+_SECRET_QUERY_PAIR = re.compile(r"(?P<key>[^&=?]*)=(?P<value>[^&]*)")
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
+_SECRET_PAIR_IN_TEXT = re.compile(
+    r"(?P<key>\b\w*(?:pass|pwd|secret|token)\w*)(?P<eq>\s*=\s*)(?P<value>'[^']*'|\"[^\"]*\"|[^\s&]+)",
+    re.IGNORECASE,
+)
 
 
 def redact_url(url: str) -> str:
-    """Replace the password of a URL with ``***``."""
-    return _PASSWORD.sub(r"\1***\3", url)
+    """``url`` with every password masked as ``***``: the one function through which sqla_outbox
+    shows a URL (``config``, ``migrate``, ``--check``, logs, error messages).
+
+    Parsing and rendering are SQLAlchemy's (``make_url(...).render_as_string(hide_password=True)``),
+    for any scheme (``postgresql``, ``redis``, ``unix``, ``http``), with two rules added because
+    SQLAlchemy (like libpq) ends the password at the *first* ``@`` and keeps the query as given:
+
+    * the user-info part runs to the *last* ``@`` before the query string, so the tail of a
+      password holding an unescaped ``@`` (``user:p@ss@host``) is masked, not shown as part of
+      the host;
+    * query parameters whose name says they hold a secret (``password``, ``sslpassword``,
+      ``token``, ``secret``, ...) are masked too (libpq and redis-py both read
+      ``?password=``).
+
+    Text SQLAlchemy cannot parse is masked by the same two rules without it. Over-masking is
+    preferred to a leak: a URL whose query holds an ``@`` before any ``?`` may lose its host.
+
+    Args:
+        url: Any text meant to be a URL.
+
+    Returns:
+        The URL for display; never the password.
+    """
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        return redact_text(url) if "=" in url else url
+    first_at = rest.find("@")
+    if first_at >= 0:
+        query_at = rest.find("?", first_at)
+        last_at = rest.rfind("@", 0, query_at if query_at >= 0 else len(rest))
+        user, colon, _ = rest[:last_at].partition(":")
+        rest = f"{user}{':' + MASK if colon else ''}@{rest[last_at + 1 :]}"
+    try:
+        parsed = make_url(f"{scheme}://{rest}")
+        query = {
+            key: (MASK if _SECRET_QUERY_KEY.search(key) else value) for key, value in parsed.query.items()
+        }
+        shown = parsed.set(query=query).render_as_string(hide_password=True)
+        return shown.replace("=%2A%2A%2A", "=" + MASK)
+    except (sqlalchemy_exc.ArgumentError, ValueError, TypeError):
+        base, question, query_text = rest.partition("?")
+        return f"{scheme}://{base}{question}{_mask_query(query_text)}"
+
+
+def _mask_query(query: str) -> str:
+    return _SECRET_QUERY_PAIR.sub(
+        lambda m: f"{m['key']}={MASK}" if _SECRET_QUERY_KEY.search(m["key"]) else m[0], query
+    )
+
+
+def redact_text(text: str) -> str:
+    """``text`` (an error message, a log line) with every URL in it passed through
+    :func:`redact_url` and every ``password=...``-like pair (a libpq key/value string)
+    masked."""
+    masked = _URL_IN_TEXT.sub(lambda m: redact_url(m[0]), text)
+    return _SECRET_PAIR_IN_TEXT.sub(lambda m: f"{m['key']}{m['eq']}{MASK}", masked)
 
 
 _NONE_WORDS = {"", "none", "null", "off"}
@@ -507,6 +575,12 @@ def _check_database_url(url: str, field: str = "database_url") -> None:
         field,
         f"{parsed.drivername!r} is not supported ({shown}): sqla_outbox supports only PostgreSQL "
         "(through psycopg 3); use postgresql://user:password@host:5432/database",
+    )
+    _check(
+        "@" not in (parsed.host or ""),
+        field,
+        f"{shown!r} has an '@' in its password: write it as %40 (SQLAlchemy and libpq end the "
+        "password at the first '@' and would take the rest for the host name)",
     )
 
 
@@ -622,6 +696,11 @@ def _validate(s: OutboxSettings) -> None:
             "webhook_allowed_hosts",
             f"{entry!r} is not a host name, IP address or network",
         )
+    _check(
+        re.fullmatch(r"[A-Za-z0-9.:_-]{1,253}", s.health_host) is not None,
+        "health_host",
+        f"must be an IP address or host name, got {s.health_host!r}",
+    )
     for name in ("purge_sent_after_days", "purge_succeeded_after_days", "purge_failed_after_days"):
         _check(getattr(s, name) >= 0, name, "must be >= 0")
     _check(s.purge_batch_size >= 1, "purge_batch_size", "must be >= 1")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import re
 import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,13 +27,12 @@ from sqlalchemy.orm import registry
 
 from sqla_outbox import envelope as envelope_mod
 from sqla_outbox import errors, tracing, webhook_fanout
-from sqla_outbox.types import QUEUE_NAMES, JSONPayload
+from sqla_outbox.types import QUEUE_NAMES, JSONPayload, is_name
 from sqla_outbox.webhook_fanout import PreparedFanout
 
 if TYPE_CHECKING:
     from sqla_outbox.catalog import Catalog, TaskSpec
 
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 _MAX_KEY_LENGTH = 512
 _BIGINT = 2**63
 _MISSING: Any = object()
@@ -216,7 +214,7 @@ class Dispatch(_Scheduled):
         idempotency_key: str | None = None,
         run_id: uuid.UUID | None = None,
     ) -> None:
-        if not isinstance(task, str) or not _NAME.match(task):
+        if not is_name(task):
             raise errors.InvalidDispatch(
                 str(task), "task names are 1..200 characters of letters, digits and _ . : -"
             )
@@ -301,7 +299,7 @@ class Publish(_Scheduled):
         available_at: dt.datetime | None = None,
         idempotency_key: str | None = None,
     ) -> None:
-        if not isinstance(event, str) or not _NAME.match(event):
+        if not is_name(event):
             raise errors.InvalidDispatch(
                 str(event), "event names are 1..200 characters of letters, digits and _ . : -"
             )

@@ -29,16 +29,14 @@ import hashlib
 import hmac
 import json
 import math
-import re
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqla_outbox import errors, tracing
-from sqla_outbox.types import QUEUE_NAMES, JSONValue
+from sqla_outbox.types import QUEUE_NAMES, JSONValue, is_name
 
 VERSION = 1
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 _MAX_DEPTH = 200
 
 
@@ -282,7 +280,7 @@ def decode(body: str, *, max_bytes: int) -> Envelope:
     except ValueError:
         raise MalformedEnvelope("bad-field", "run_id is not a UUID") from None
     task = _field(doc, "task", str)
-    if not _NAME.match(task):
+    if not is_name(task):
         raise MalformedEnvelope("bad-field", "task is not a valid task name")
     queue = _field(doc, "queue", str)
     if queue not in QUEUE_NAMES:
@@ -291,7 +289,7 @@ def decode(body: str, *, max_bytes: int) -> Envelope:
     if tenant_id is not None and not -(2**63) <= tenant_id < 2**63:
         raise MalformedEnvelope("bad-field", "tenant_id is out of the bigint range")
     event = _optional(doc, "event", str)
-    if event is not None and not _NAME.match(event):
+    if event is not None and not is_name(event):
         raise MalformedEnvelope("bad-field", "event is not a valid event name")
     key = _optional(doc, "idempotency_key", str)
     if key is not None and not storable_text(key):

@@ -1,6 +1,7 @@
 """Health: the HTTP probe of relay and worker, and the ``--check`` service report.
 
-The probe (:class:`ProbeServer`, on ``SQLA_OUTBOX_HEALTH_PORT``) answers:
+The probe (:class:`ProbeServer`, on ``SQLA_OUTBOX_HEALTH_PORT``, bound to
+``SQLA_OUTBOX_HEALTH_HOST``) answers:
 
 * ``GET /livez`` — 200 while the process runs its loop;
 * ``GET /readyz`` — 200 while it takes work, 503 once it is stopping (SIGTERM) or not
@@ -11,7 +12,9 @@ The probe (:class:`ProbeServer`, on ``SQLA_OUTBOX_HEALTH_PORT``) answers:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import http.server
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +25,10 @@ from sqla_outbox import errors
 from sqla_outbox.config import OutboxSettings, redact_url
 
 
+class _IPv6Server(http.server.ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 class ProbeServer:
     """Tiny HTTP server for liveness, readiness and metrics, in a daemon thread.
 
@@ -29,7 +36,7 @@ class ProbeServer:
         port: TCP port (0 picks a free one; see :attr:`port` after :meth:`start`).
         ready: Called per ``/readyz`` request; True means ready.
         alive: Called per ``/livez`` request; True means alive.
-        host: Interface to bind (default all).
+        host: Address to bind (``health_host``; default every IPv4 interface).
 
     Raises:
         ConfigurationError: The port cannot be bound (in use, or privileged).
@@ -69,12 +76,14 @@ class ProbeServer:
             def log_message(self, format: str, *args: Any) -> None:
                 return
 
+        server_class = _IPv6Server if ":" in host else http.server.ThreadingHTTPServer
         try:
-            self._server = http.server.ThreadingHTTPServer((host, port), Handler)
-        except OSError as exc:  # EADDRINUSE, EACCES for a privileged port, ...
+            self._server = server_class((host, port), Handler)
+        except OSError as exc:  # EADDRINUSE, EACCES for a privileged port, an unknown address
+            host_problem = isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL
             raise errors.ConfigurationError(
                 f"cannot serve probes on {host}:{port}: {exc.strerror or exc}",
-                option="SQLA_OUTBOX_HEALTH_PORT",
+                option="SQLA_OUTBOX_HEALTH_HOST" if host_problem else "SQLA_OUTBOX_HEALTH_PORT",
             ) from None
         self._server.daemon_threads = True
         self.port = int(self._server.server_address[1])
@@ -168,7 +177,9 @@ def _check_database(settings: OutboxSettings) -> CheckResult:
 
     url = redact_url(settings.database_url)
     try:
-        engine = sa.create_engine(settings.sqlalchemy_url, connect_args={"connect_timeout": 5})
+        engine = sa.create_engine(
+            settings.sqlalchemy_url, hide_parameters=True, connect_args={"connect_timeout": 5}
+        )
         with engine.connect() as conn:
             missing = migrations.missing_tables(conn)
         engine.dispose()

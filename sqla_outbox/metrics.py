@@ -44,6 +44,18 @@ RELAY_OLDEST_PENDING_AGE = Gauge(
     ["table", "queue"],
 )
 RELAY_LEADER = Gauge("sqla_outbox_relay_leader", "1 while this relay holds the advisory lock and sends.")
+RELAY_PASSES = Counter(
+    "sqla_outbox_relay_passes",
+    "Claim passes (each one database transaction), by what started them: wake or timer "
+    "(sweep, a delayed run's due time, a schedule slot, a full batch), and whether they claimed rows.",
+    ["trigger", "claimed"],
+)
+WAKE_LISTENER_ERRORS = Counter(
+    "sqla_outbox_relay_wake_errors",
+    "Failed BLPOPs of the relay's wake listener: outage (Valkey unreachable) or unusable "
+    "(the wake key is not a list, is refused, or held an oversized element).",
+    ["kind"],
+)
 
 # --- worker ------------------------------------------------------------------------------
 RUNS_FINISHED = Counter(

@@ -6,6 +6,7 @@ This module imports nothing from the package, so any module may import it.
 from __future__ import annotations
 
 import enum
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
@@ -17,6 +18,21 @@ JSONValue: TypeAlias = JSONScalar | list["JSONValue"] | dict[str, "JSONValue"]
 JSONPayload: TypeAlias = Mapping[str, Any] | Sequence[Any] | str | int | float | bool | None
 """What ``Dispatch``/``Publish`` accept as a payload statically (``dict[str, object]`` from
 mixed literals included); the value is checked to be plain JSON at construction."""
+
+NAME_PATTERN = r"[A-Za-z0-9_.:-]{1,200}"
+"""Task and event names: 1..200 letters, digits and ``_ . : -``."""
+
+_NAME = re.compile(NAME_PATTERN)
+
+
+def is_name(value: object) -> bool:
+    """Whether ``value`` is a task or event name (:data:`NAME_PATTERN`), as a whole string.
+
+    ``re.fullmatch``, not ``match`` with ``$``: ``$`` also matches before a trailing newline,
+    so ``"record\\n"`` would pass (Python ``re`` documentation, "$").
+    """
+    return isinstance(value, str) and _NAME.fullmatch(value) is not None
+
 
 RunId: TypeAlias = uuid.UUID
 """Identity of one unit of work: the outbox row, the envelope and the ``task_runs`` row share it."""

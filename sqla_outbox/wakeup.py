@@ -17,7 +17,21 @@ reach the caller:
 
 The relay side (:class:`WakeListener`) pops with BLPOP in its own thread, calls back,
 and deletes the rest of the list (the pass it triggers serves every wake pushed before
-it).
+it). Whatever the key holds is untrusted (anyone with write access to Valkey can set
+it), so the listener:
+
+* reads a popped element only up to :data:`WAKE_ELEMENT_MAX_BYTES` (the application
+  pushes ``"1"``): a longer reply is never materialised; the connection is dropped
+  with the rest of it unread (the element is consumed by the pop), so the relay's memory
+  stays bounded whatever was pushed (Redis values may be 512 MiB);
+* tells "Valkey is unreachable" from "Valkey answers, but the key is unusable" (a
+  string or hash where the list should be, an ACL refusal, an oversized element): one
+  warning naming the key and its type, then capped exponential backoff, which only a
+  BLPOP that answers normally resets (a successful PING does not); no database pass
+  follows such an error;
+* never decides how often the relay runs a pass: the relay bounds wake-driven passes
+  itself (:mod:`sqla_outbox.relay`), so a push flood costs Valkey round trips, not
+  database transactions.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -82,6 +97,73 @@ def _make_client(url: str, timeout_seconds: float) -> redis.Redis:
         retry=Retry(NoBackoff(), 0),
         health_check_interval=0,
         client_name="sqla_outbox",
+    )
+
+
+WAKE_ELEMENT_MAX_BYTES = 1024
+"""Longest reply element the relay's listener reads (the application pushes ``"1"``)."""
+
+
+class WakeElementTooLarge(Exception):
+    """A reply element longer than :data:`WAKE_ELEMENT_MAX_BYTES` (left unread)."""
+
+    def __init__(self, size_bytes: int) -> None:
+        self.size_bytes = size_bytes
+        super().__init__(f"reply element of {size_bytes} bytes")
+
+
+def _bounded_parser(max_bytes: int) -> Any:
+    """redis-py's RESP2 parser, refusing to read a bulk reply longer than ``max_bytes``.
+
+    The check sits on the parser's socket buffer (``read(length)`` is called with the
+    announced length of each bulk string before any of it is read); the raised error
+    makes redis-py drop the connection (``Connection.read_response`` disconnects on any
+    error), so the unread bytes go with the socket. Returns None when this redis-py has no
+    such parser (the tests pin the supported versions).
+    """
+    try:
+        from redis import _parsers
+    except ImportError:  # pragma: no cover - every supported redis-py has it
+        return None
+    base = getattr(_parsers, "_RESP2Parser", None)
+    if base is None:  # pragma: no cover
+        return None
+
+    class BoundedParser(base):  # type: ignore[misc, valid-type]
+        def on_connect(self, connection: Any) -> None:
+            super().on_connect(connection)
+            read = self._buffer.read
+
+            def bounded(length: int, *args: Any, **kwargs: Any) -> Any:
+                if length > max_bytes:
+                    raise WakeElementTooLarge(length)
+                return read(length, *args, **kwargs)
+
+            self._buffer.read = bounded
+
+    return BoundedParser
+
+
+def _listener_client(url: str, timeout_seconds: float) -> redis.Redis:
+    """Like :func:`_client`, with replies bounded by :data:`WAKE_ELEMENT_MAX_BYTES`."""
+    url = url.replace("valkey://", "redis://", 1).replace("valkeys://", "rediss://", 1)
+    parser = _bounded_parser(WAKE_ELEMENT_MAX_BYTES)
+    options: dict[str, Any] = {"protocol": 2}
+    if parser is not None:
+        options["parser_class"] = parser
+    else:  # pragma: no cover - every supported redis-py has the parser
+        logger.warning(
+            "this redis-py has no RESP2 parser to bound: wake elements are read whole",
+            extra=log_extra(action="relay.wake_unbounded"),
+        )
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=timeout_seconds,
+        socket_connect_timeout=timeout_seconds,
+        retry=Retry(NoBackoff(), 0),
+        health_check_interval=0,
+        client_name="sqla_outbox",
+        **options,
     )
 
 
@@ -262,10 +344,18 @@ class WakeListener:
         on_wake: Called (from the listener thread) after each wake; must be cheap and
             thread-safe, e.g. ``threading.Event.set``.
 
-    While Valkey is unreachable the listener reconnects with capped exponential backoff
-    (0.1 s doubling to 5 s), logging once per outage and once on recovery; the relay
-    keeps sweeping meanwhile.
+    Trouble is logged once per episode and retried with capped exponential backoff; the
+    relay keeps sweeping meanwhile:
+
+    * Valkey unreachable (``relay.wake_lost``): 0.1 s doubling to 5 s; when a PING answers
+      again, ``relay.wake_recovered`` and one wake (pushes during the outage were lost);
+    * the key unusable (``relay.wake_key_unusable``: not a list, an ACL refusal, an
+      element over :data:`WAKE_ELEMENT_MAX_BYTES`): 1 s doubling to 60 s, reset only by a
+      BLPOP that answers normally (``relay.wake_key_usable``).
     """
+
+    OUTAGE_BACKOFF_SECONDS = (0.1, 5.0)
+    UNUSABLE_BACKOFF_SECONDS = (1.0, 60.0)
 
     def __init__(self, settings: OutboxSettings, on_wake: Callable[[], None]) -> None:
         self.url = settings.wake_valkey_url
@@ -274,6 +364,8 @@ class WakeListener:
         self.on_wake = on_wake
         self.wakes = 0
         self.connected = False
+        self.problems = 0
+        """BLPOP calls that failed (unreachable or unusable key); for tests and metrics."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -288,32 +380,33 @@ class WakeListener:
 
     def _run(self) -> None:
         assert self.url is not None
-        client = _client(self.url, self.timeout + 5)
-        backoff = 0.1
-        in_outage = False
+        client = _listener_client(self.url, self.timeout + 5)
+        trouble: str | None = None  # "outage" or "unusable"
+        backoff = 0.0
         while not self._stop.is_set():
             try:
-                if not self.connected:
+                if trouble == "outage":
                     client.ping()  # know at once that Valkey is back, not after a BLPOP timeout
+                    trouble, backoff = None, 0.0
                     self.connected = True
-                    backoff = 0.1
-                    if in_outage:
-                        in_outage = False
-                        logger.info(
-                            "wake listener reconnected",
-                            extra=log_extra(action="relay.wake_recovered"),
-                        )
-                        self.on_wake()  # wakes pushed during the outage were lost: look now
+                    logger.info("wake listener reconnected", extra=log_extra(action="relay.wake_recovered"))
+                    self.on_wake()  # wakes pushed during the outage were lost: look now
                 item = client.blpop([self.key], timeout=self.timeout)
-                if item is None:
-                    continue
-                self.wakes += 1
-                self.on_wake()  # first: the pass need not wait for the DEL's round trip
-                client.delete(self.key)
+            except (redis.ResponseError, WakeElementTooLarge) as exc:
+                # Valkey answered: the key is unusable (WRONGTYPE, NOPERM, an oversized element)
+                self.problems += 1
+                metrics.WAKE_LISTENER_ERRORS.labels("unusable").inc()
+                if trouble != "unusable":
+                    self._warn_unusable(client, exc)
+                trouble = "unusable"
+                backoff = self._next(backoff, self.UNUSABLE_BACKOFF_SECONDS)
+                self._stop.wait(backoff)
+                continue
             except (redis.RedisError, OSError) as exc:
+                self.problems += 1
+                metrics.WAKE_LISTENER_ERRORS.labels("outage").inc()
                 self.connected = False
-                if not in_outage:
-                    in_outage = True
+                if trouble != "outage":
                     logger.warning(
                         "wake listener lost Valkey; sweeping only until it returns",
                         extra=log_extra(
@@ -322,6 +415,62 @@ class WakeListener:
                             valkey_url=redact_url(self.url),
                         ),
                     )
+                trouble = "outage"
+                backoff = self._next(backoff, self.OUTAGE_BACKOFF_SECONDS)
                 self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                continue
+            self.connected = True
+            if trouble == "unusable":
+                logger.info(
+                    "wake key usable again",
+                    extra=log_extra(action="relay.wake_key_usable", wake_key=self.key),
+                )
+            trouble, backoff = None, 0.0
+            if item is None:
+                continue
+            self.wakes += 1
+            self.on_wake()  # first: the pass need not wait for the DEL's round trip
+            try:
+                client.delete(self.key)
+            except (redis.RedisError, OSError):
+                pass  # the next BLPOP reports whatever is wrong
         client.close()
+
+    @staticmethod
+    def _next(backoff: float, bounds: tuple[float, float]) -> float:
+        first, cap = bounds
+        return first if backoff <= 0 else min(backoff * 2, cap)
+
+    def _warn_unusable(self, client: redis.Redis, exc: BaseException) -> None:
+        """One warning naming the key and what is wrong with it (its type, if it has one)."""
+        if isinstance(exc, WakeElementTooLarge):
+            problem = f"held an element of {exc.size_bytes} bytes (a wake is 1 byte), dropped unread"
+            kind = "list"
+        else:
+            kind = self._type_of(client)
+            first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            if first.startswith("WRONGTYPE"):
+                problem = f"holds a {kind}, not a list"
+            else:
+                problem = f"was refused by Valkey: {first}"
+        logger.warning(
+            "wake key %r %s; wakes are ignored and the relay relies on its sweep until it is fixed",
+            self.key,
+            problem,
+            extra=log_extra(
+                action="relay.wake_key_unusable",
+                wake_key=self.key,
+                key_type=kind,
+                error_type=type(exc).__name__,
+                valkey_url=redact_url(self.url or ""),
+            ),
+        )
+
+    def _type_of(self, client: redis.Redis) -> str:
+        """``TYPE`` of the wake key (a short status reply, whatever the key holds)."""
+        try:
+            value = client.type(self.key)
+        except (redis.RedisError, OSError, WakeElementTooLarge):
+            return "unknown"
+        text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+        return text[:40]

@@ -462,3 +462,35 @@ def drain_wakes(timeout: float = 3.0) -> None:
 
     for installation in list(events._installations.values()):
         installation.waker.drain(timeout)
+
+
+@contextlib.contextmanager
+def private_valkey(*options: str) -> Iterator[str]:
+    """A ``valkey-server``/``redis-server`` of this test's own on a free loopback port, so a
+    test may change users or fill keys without touching the shared one; yields its URL."""
+    import shutil
+
+    import redis
+
+    server = shutil.which("valkey-server") or shutil.which("redis-server")
+    assert server is not None, "valkey-server or redis-server is needed for this test"
+    port = free_port()
+    process = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *options],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        wait_for(lambda: _answers(redis, url), timeout=10)
+        yield url
+    finally:
+        process.kill()
+        process.wait(10)
+
+
+def _answers(redis: Any, url: str) -> bool:
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+        return True
+    except redis.RedisError:
+        return False

@@ -10,6 +10,7 @@ import click
 
 from sqla_outbox import errors
 from sqla_outbox.cli.options import EXIT_CHECK_FAILED, handle_errors, load_settings, setting, split_list
+from sqla_outbox.cli.terminal import echo
 
 
 @click.group("catalog")
@@ -48,10 +49,10 @@ def catalog_write_command(check: bool, **options: Any) -> None:
                     fromfile=f"{path} (on disk)",
                     tofile=f"{path} (from the registered tasks)",
                 )
-                click.echo("".join(diff), nl=False)
-                click.echo(f"error: {path} is stale; run `python -m sqla_outbox catalog write`", err=True)
+                echo("".join(diff), nl=False)
+                echo(f"error: {path} is stale; run `python -m sqla_outbox catalog write`", err=True)
                 sys.exit(EXIT_CHECK_FAILED)
-            click.echo(f"{path} is up to date ({len(registry.tasks)} tasks)")
+            echo(f"{path} is up to date ({len(registry.tasks)} tasks)")
             return
         path.write_text(text, encoding="utf-8")
-        click.echo(f"wrote {path} ({len(registry.tasks)} tasks)")
+        echo(f"wrote {path} ({len(registry.tasks)} tasks)")

@@ -46,7 +46,10 @@ import click
 
 from sqla_outbox.cli.options import EXIT_CHECK_FAILED, EXIT_CONFIG, EXIT_OK
 from sqla_outbox.cli.terminal import console as make_console
-from sqla_outbox.cli.terminal import styled
+from sqla_outbox.cli.terminal import echo, print_json, styled
+from sqla_outbox.cli.terminal import grid as make_grid
+from sqla_outbox.cli.terminal import progress as make_progress
+from sqla_outbox.cli.terminal import table as make_table
 from sqla_outbox.config import OutboxSettings, redact_url, with_database
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -118,7 +121,7 @@ def demo_command(
     if not (SHOP / "tasks.py").exists() and (Path.cwd() / "examples" / "shop" / "tasks.py").exists():
         REPO_ROOT, SHOP = Path.cwd(), Path.cwd() / "examples" / "shop"  # a checkout, installed non-editable
     if not (SHOP / "tasks.py").exists():
-        click.echo(
+        echo(
             "error: the demo needs the example shop (examples/shop) of a source checkout: run it "
             "from the checkout's root (./scripts/demo), or install the checkout with `pip install -e .`",
             err=True,
@@ -134,7 +137,7 @@ def demo_command(
         console.print("interrupted: relay and worker stopped")
         sys.exit(130)
     if as_json:
-        click.echo(json.dumps(summary, indent=2, default=str))
+        print_json(summary)
     else:
         _print_summary(summary, console)
     sys.exit(EXIT_OK if summary["ok"] else EXIT_CHECK_FAILED)
@@ -314,15 +317,13 @@ def _header(console: Any, label: str, value: str, *notes: str) -> None:
     """One service line of the demo's header: ``label`` in a fixed column, ``value`` beside
     it, each note on a line of its own below the value, so a narrow terminal wraps inside
     the value column instead of splitting a phrase across the left margin."""
-    from rich.table import Table
-
-    grid = Table.grid(padding=(0, 1))
-    grid.add_column(no_wrap=True, min_width=11)
-    grid.add_column(overflow="fold")
-    grid.add_row(f"{label}:", value)
+    lines = make_grid(padding=(0, 1))
+    lines.add_column(no_wrap=True, min_width=11)
+    lines.add_column(overflow="fold")
+    lines.add_row(f"{label}:", value)
     for note in notes:
-        grid.add_row("", note)
-    console.print(grid)
+        lines.add_row("", note)
+    console.print(lines)
 
 
 # --- the run -----------------------------------------------------------------------------
@@ -350,7 +351,7 @@ def _run(
     console.print("migrated the shop database and provisioned the queues")
 
     processes: list[subprocess.Popen[bytes]] = []
-    engine = sa.create_engine(settings.sqlalchemy_url)
+    engine = sa.create_engine(settings.sqlalchemy_url, hide_parameters=True)
     relay_port, worker_port = _free_port(), _free_port()
     try:
         for args, port in (
@@ -473,17 +474,8 @@ def _count(engine: Any, where: str = "") -> int:
 
 
 def _wait(engine: Any, total: int, timeout: float, console: Any) -> bool:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     deadline = time.monotonic() + timeout
-    with Progress(
-        TextColumn("runs finished"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    ) as progress:
+    with make_progress("runs finished", console) as progress:
         bar = progress.add_task("runs", total=total)
         while time.monotonic() < deadline:
             done = _count(
@@ -604,15 +596,12 @@ def _console(quiet: bool) -> Any:
 
 def _print_summary(summary: dict[str, Any], progress: Any) -> None:
     """The human summary on stdout; every value is printed literally (no rich markup)."""
-    from rich.table import Table
-
     out = make_console()
-    table = Table(title="runs by status")
-    table.add_column("status")
-    table.add_column("runs", justify="right")
+    by_status = make_table("runs by status", ("status", "runs"))
+    by_status.columns[1].justify = "right"
     for status, count in summary["runs_by_status"].items():
-        table.add_row(status, str(count))
-    out.print(table)
+        by_status.add_row(status, str(count))
+    out.print(by_status)
     lat, late = summary["latency_ms"], summary["delayed_lateness_ms"]
     wake = "Valkey" if summary["wake"] == "valkey" else "PostgreSQL LISTEN/NOTIFY"
     out.print(
@@ -621,9 +610,7 @@ def _print_summary(summary: dict[str, Any], progress: Any) -> None:
     )
     out.print(f"delayed runs finished after their due time: p50 {late['p50']} ms, p99 {late['p99']} ms")
     out.print(f"handler effects recorded: {summary['handler_effects']}; rolled-back order: no runs")
-    dlq = Table(title="dead-letter queues")
-    for column in ("queue", "task", "run_id", "reason", "error"):
-        dlq.add_column(column)
+    dlq = make_table("dead-letter queues", ("queue", "task", "run_id", "reason", "error"))
     for item in summary["dlq"]:
         dlq.add_row(item["queue"], item["task"], item["run_id"][:8], item["reason"], item["error"])
     out.print(dlq)

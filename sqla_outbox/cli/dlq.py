@@ -73,10 +73,14 @@ def dlq_list_command(
     as_json: bool,
     **options: Any,
 ) -> None:
-    """List DLQ messages: run, task, tenant, reason, error type and age; never payloads.
+    """List DLQ messages: run, task, tenant, reason, error type, age and origin; never payloads.
 
     Messages are received with a 30 s visibility and made visible again at the end;
-    nothing is deleted. The run's current status is read from the database.
+    nothing is deleted. The run's current status is read from the database. Origin:
+    `verified` (the relay's signature checks out under SQLA_OUTBOX_SIGNING_KEYS),
+    `unverified` (it does not: not a message our relay sent) or `unchecked` (no keys).
+    Everything shown was written by whoever sent the message; control characters are
+    shown escaped.
     """
     setup_logging(verbose, log_format)
     with handle_errors(traceback):
@@ -93,7 +97,7 @@ def dlq_list_command(
             return
         shown = table(
             f"DLQ messages ({len(listing.letters)}{', truncated' if listing.truncated else ''})",
-            ("queue", "run_id", "task", "tenant", "reason", "error type", "age", "run status"),
+            ("queue", "run_id", "task", "tenant", "reason", "error type", "age", "run status", "origin"),
         )
         for x in listing.letters:
             shown.add_row(
@@ -101,10 +105,11 @@ def dlq_list_command(
                 text(x.run_id),
                 text(x.task),
                 text(x.tenant_id),
-                x.reason,
+                text(x.reason),
                 text(x.error_type),
                 format_age(x.age_seconds),
                 text(x.run_status),
+                x.origin if x.origin != "unverified" else styled(x.origin, "red"),
             )
         out = console()
         out.print(shown)
@@ -126,6 +131,19 @@ def dlq_list_command(
 @click.option(
     "--all", "select_all", is_flag=True, help="Requeue every failed run in the DLQs (no other filter needed)."
 )
+@click.option(
+    "--trust-dlq-body",
+    is_flag=True,
+    help="Without signing keys: rebuild a purged outbox row from the DLQ body, which nothing can "
+    "verify (whoever may send to the queue or its DLQ chose it). Needs every copy to agree. "
+    "No effect with SQLA_OUTBOX_SIGNING_KEYS: only signed bodies are used then.",
+)
+@click.option(
+    "--include-no-reason",
+    is_flag=True,
+    help="Also act on DLQ messages without a worker verdict (moved by the SQS redrive policy, or "
+    "sent straight to the DLQ).",
+)
 @click.option("--dry-run", is_flag=True, help="Decide and report; change nothing.")
 @json_option
 def dlq_requeue_command(
@@ -137,6 +155,8 @@ def dlq_requeue_command(
     older_than: dt.timedelta | None,
     run_ids: tuple[uuid.UUID, ...],
     select_all: bool,
+    trust_dlq_body: bool,
+    include_no_reason: bool,
     dry_run: bool,
     as_json: bool,
     **options: Any,
@@ -144,8 +164,12 @@ def dlq_requeue_command(
     """Put failed runs back to queued through the outbox, then delete their DLQ messages.
 
     Only runs whose status is `failed` are requeued; others are reported as skipped
-    with the reason. Give at least one filter, or --all. Exit code 1 when a --run-id
-    was not requeued.
+    with the reason. The run's outbox row is sent again; a purged row is rebuilt from
+    a DLQ body only when its signature verifies (SQLA_OUTBOX_SIGNING_KEYS), or, without
+    keys, with --trust-dlq-body. Messages the worker refused unexecuted, unsigned or
+    badly signed ones (with keys) and, unless --include-no-reason, ones without a
+    verdict are never acted on. Give at least one filter, or --all. Exit code 1 when a
+    --run-id was not requeued.
     """
     setup_logging(verbose, log_format)
     if not (tasks or queues or older_than or run_ids or select_all):
@@ -162,14 +186,23 @@ def dlq_requeue_command(
         try:
             with outbox_engine(settings) as engine:
                 report = requeue.requeue(
-                    engine, sqs_client(settings), settings, filters, dry_run=dry_run, waker=waker
+                    engine,
+                    sqs_client(settings),
+                    settings,
+                    filters,
+                    dry_run=dry_run,
+                    waker=waker,
+                    trust_dlq_body=trust_dlq_body,
+                    include_no_reason=include_no_reason,
                 )
         finally:
             if waker is not None:
                 waker.close()
         if as_json:
             document = jsonable(report)
-            document.update(requeued=report.requeued, skipped=report.skipped)
+            document.update(
+                requeued=report.requeued, skipped=report.skipped, rebuilt_unchecked=report.rebuilt_unchecked
+            )
             print_json(document)
         else:
             _render_requeue(report)
@@ -189,13 +222,14 @@ def _render_requeue(report: Any) -> None:
         action = item.action if item.selected else styled(item.action, "yellow")
         copies = f"{item.dlq_deleted}/{len(item.dlq_message_ids)} deleted" if item.dlq_message_ids else "-"
         why = f"{item.reason}: {item.detail}" if item.reason else "-"
+        outbox = text(item.outbox) + (f" ({item.body_origin} body)" if item.body_origin else "")
         shown.add_row(
             text(item.run_id),
             text(item.task),
             text(item.queue),
             text(item.tenant_id),
             action,
-            text(item.outbox),
+            outbox,
             copies,
             why,
         )
@@ -204,5 +238,14 @@ def _render_requeue(report: Any) -> None:
     if report.requeued and not report.dry_run:  # the note is about the runs just requeued
         wake = " (relay woken)" if report.woke else " (the relay's sweep will send them)"
     out.print(f"{verb} {report.requeued}, skipped {report.skipped}{wake}")
+    if report.rebuilt_unchecked:
+        out.print(
+            styled(
+                f"{report.rebuilt_unchecked} outbox row(s) rebuilt from DLQ bodies nothing could verify "
+                "(--trust-dlq-body, no signing keys): their payloads are whatever the DLQ held, "
+                "written by whoever could send to the queue or its DLQ",
+                "yellow",
+            )
+        )
     for name in report.missing_queues:
         out.print(styled(f"missing DLQ {name} (run `python -m sqla_outbox provision`)", "yellow"))

@@ -8,6 +8,7 @@ import click
 
 from sqla_outbox import errors
 from sqla_outbox.cli.options import common_options, handle_errors, load_settings, setup_logging
+from sqla_outbox.cli.terminal import echo
 from sqla_outbox.config import redact_url
 
 
@@ -44,7 +45,7 @@ def migrate_command(
         import sqlalchemy as sa
 
         database = redact_url(settings.database_url)
-        engine = sa.create_engine(settings.sqlalchemy_url, poolclass=sa.pool.NullPool)
+        engine = sa.create_engine(settings.sqlalchemy_url, poolclass=sa.pool.NullPool, hide_parameters=True)
         try:
             before = migrations.current_revisions(engine)
             if not before and not downgrade:
@@ -62,7 +63,7 @@ def migrate_command(
             after = migrations.current_revisions(engine)
         finally:
             engine.dispose()
-        click.echo(_migration_summary(database, before, after, downgrade))
+        echo(_migration_summary(database, before, after, downgrade))
 
 
 def _migration_summary(

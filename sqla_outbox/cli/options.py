@@ -23,7 +23,8 @@ import click
 
 from sqla_outbox import errors
 from sqla_outbox import logging as outbox_logging
-from sqla_outbox.config import OutboxSettings, env_names, redact_url
+from sqla_outbox.cli.terminal import echo
+from sqla_outbox.config import OutboxSettings, env_names, redact_text, redact_url
 from sqla_outbox.ops.durations import parse_duration
 from sqla_outbox.types import QUEUE_NAMES
 
@@ -163,12 +164,12 @@ def handle_errors(show_traceback: bool) -> Iterator[None]:
     except errors.ConfigurationError as exc:
         if show_traceback:
             raise
-        click.echo(f"error: {exc}", err=True)
+        echo(f"error: {exc}", err=True)
         sys.exit(EXIT_CONFIG)
     except errors.OutboxError as exc:
         if show_traceback:
             raise
-        click.echo(f"error: {exc}", err=True)
+        echo(f"error: {exc}", err=True)
         sys.exit(EXIT_CHECK_FAILED)
     except Exception as exc:
         if show_traceback:
@@ -177,21 +178,29 @@ def handle_errors(show_traceback: bool) -> Iterator[None]:
 
         if migrations.is_missing_outbox_table(exc):
             database = _loaded.get("database", "the configured database")
-            click.echo(f"error: {migrations.missing_tables_message(database)}", err=True)
+            echo(f"error: {migrations.missing_tables_message(database)}", err=True)
             sys.exit(EXIT_CONFIG)
-        if not is_connection_error(exc):
-            raise
-        click.echo(f"error: cannot reach a service: {_connection_error_summary(exc)}", err=True)
-        sys.exit(EXIT_CONNECT)
+        if is_connection_error(exc):
+            echo(f"error: cannot reach a service: {_connection_error_summary(exc)}", err=True)
+            sys.exit(EXIT_CONNECT)
+        if outbox_logging.is_database_error(exc):
+            # its text may quote statement parameters or a row (a payload): say what failed
+            # by type, SQLSTATE and constraint only (--traceback shows the rest)
+            echo(f"error: the database refused the operation: {outbox_logging.describe_error(exc)}", err=True)
+            sys.exit(EXIT_CHECK_FAILED)
+        # a bug: the stack helps, but a database error among its causes keeps its text hidden
+        echo(outbox_logging.safe_traceback(exc), err=True)
+        sys.exit(EXIT_CHECK_FAILED)
 
 
 def _connection_error_summary(exc: BaseException) -> str:
     """``<type>: <first line>`` of the driver's own error (SQLAlchemy wraps it in a
-    multi-line message with the statement and a documentation link); passwords masked."""
+    multi-line message with the statement, its parameters and a documentation link);
+    passwords masked."""
     cause = getattr(exc, "orig", None) or exc
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     first = lines[0] if lines else ""
-    return redact_url(f"{type(cause).__name__}: {first}"[:400])
+    return redact_text(f"{type(cause).__name__}: {first}"[:400])
 
 
 def is_connection_error(exc: BaseException) -> bool:
@@ -247,6 +256,7 @@ def outbox_engine(settings: OutboxSettings) -> Iterator[Any]:
         settings.sqlalchemy_url,
         pool_size=1,
         max_overflow=1,
+        hide_parameters=True,  # a failed statement's error never carries an envelope
         connect_args={"connect_timeout": 10, "application_name": "sqla_outbox-ops"},
     )
     try:

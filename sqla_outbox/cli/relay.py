@@ -20,7 +20,7 @@ from sqla_outbox.cli.options import (
     setting,
     setup_logging,
 )
-from sqla_outbox.cli.terminal import print_check_report, print_json
+from sqla_outbox.cli.terminal import echo, print_check_report, print_json
 
 
 @click.command("relay")
@@ -29,6 +29,7 @@ from sqla_outbox.cli.terminal import print_check_report, print_json
 @setting("relay_batch_size", "--batch-size", type=int)
 @setting("relay_send_concurrency", "--send-concurrency", type=int)
 @setting("health_port", "--health-port", type=int)
+@setting("health_host", "--health-host")
 @click.option(
     "--once",
     is_flag=True,
@@ -62,24 +63,26 @@ def relay_command(
             if as_json:
                 print_json(dataclasses.asdict(result))
             elif not result.leader:
-                click.echo("another relay is active; nothing done (it sends the pending rows)")
+                echo("another relay is active; nothing done (it sends the pending rows)")
             else:
                 line = f"claimed {result.claimed}, sent {result.sent}, failed {result.failed}"
                 if result.held:  # no live worker implements their task (docs/deployment.md)
                     line += f", held {result.held} (no live worker implements their task)"
-                click.echo(line)
+                echo(line)
             return  # exit code 0 either way: the active relay does the work
         probe = None
         if settings.health_port is not None:
             from sqla_outbox.health import ProbeServer
 
-            probe = ProbeServer(settings.health_port, ready=lambda: not relay.stopping)
+            probe = ProbeServer(
+                settings.health_port, ready=lambda: not relay.stopping, host=settings.health_host
+            )
             probe.start()
         install_stop_signals(relay.stop)
         try:
             relay.run()
         except Abandon:
-            click.echo("relay: abandoned the batch in progress (its rows stay pending)", err=True)
+            echo("relay: abandoned the batch in progress (its rows stay pending)", err=True)
         finally:
             if probe is not None:
                 probe.stop()

@@ -19,7 +19,7 @@ from sqla_outbox.cli.options import (
     setup_logging,
     tenant,
 )
-from sqla_outbox.cli.terminal import console, jsonable, print_json, table, text, when
+from sqla_outbox.cli.terminal import console, grid, jsonable, print_json, table, text, when
 from sqla_outbox.ops.durations import format_age
 from sqla_outbox.types import RUN_STATUSES
 
@@ -61,13 +61,11 @@ def runs_show_command(
 
 
 def _render_run(detail: Any, with_tracebacks: bool) -> None:
-    from rich.table import Table
-
     out = console()
     run = detail.run
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column()
+    shown_run = grid()
+    shown_run.add_column(style="bold")
+    shown_run.add_column()
     rows = [
         ("run_id", str(run.run_id)),
         ("task", run.task + (f" (event {run.event})" if run.event else "")),
@@ -88,8 +86,8 @@ def _render_run(detail: Any, with_tracebacks: bool) -> None:
         ("last error", f"{run.last_error_type}: {run.last_error}" if run.last_error_type else "-"),
     ]
     for key, value in rows:
-        grid.add_row(key, value)
-    out.print(grid)
+        shown_run.add_row(key, value)
+    out.print(shown_run)
     shown = table(
         "Trail",
         ("at (UTC)", "status", "attempt", "receive", "worker", "error type", "error message", "detail"),

@@ -32,6 +32,7 @@ from sqla_outbox.cli.terminal import print_check_report
 @setting("worker_run_relay", "--with-relay/--without-relay")
 @setting("worker_id", "--worker-id")
 @setting("health_port", "--health-port", type=int)
+@setting("health_host", "--health-host")
 @setting("catalog_path", "--catalog")
 @click.option("--check", is_flag=True, help="Check the database, Valkey, SQS and the handlers, then exit.")
 @click.option("--json", "as_json", is_flag=True, help="With --check: print JSON.")
@@ -71,6 +72,7 @@ def worker_command(
                 settings.health_port,
                 ready=lambda: worker.ready and not worker.stopping,
                 alive=worker.is_alive,
+                host=settings.health_host,
             )
             probe.start()
         try:

@@ -194,7 +194,9 @@ def current_revisions(target: Any) -> tuple[str, ...]:
     engine = target if isinstance(target, sa.Engine) else None
     owned = engine is None
     if engine is None:
-        engine = sa.create_engine(sqlalchemy_url(str(target)), poolclass=sa.pool.NullPool)
+        engine = sa.create_engine(
+            sqlalchemy_url(str(target)), poolclass=sa.pool.NullPool, hide_parameters=True
+        )
     try:
         with engine.connect() as connection:
             context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})

@@ -83,7 +83,7 @@ def run() -> None:
     if connection is not None:
         _run_online(connection, options)
         return
-    engine = create_engine(_url(), poolclass=pool.NullPool)
+    engine = create_engine(_url(), poolclass=pool.NullPool, hide_parameters=True)
     with engine.connect() as connection:
         _run_online(connection, options)
     engine.dispose()

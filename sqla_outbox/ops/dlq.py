@@ -11,10 +11,18 @@ DLQs have no redrive policy, so that has no effect.
 What is shown of a message comes from its message attributes, which the worker sets
 when it dead-letters a run (:mod:`sqla_outbox.worker.outcome`): ``run_id``, ``task``,
 ``tenant_id``, ``reason``, ``error_type``, ``failed_at``, ``receive_count``. A message
-moved by the SQS redrive policy itself (``maxReceiveCount`` receives without a verdict,
-e.g. workers killed mid-task) has no ``reason``; it is shown as ``sqs-redrive`` and its
-age counts from when it was first sent. The body is read only to find a missing
-``run_id``/``task``; payloads are never returned, printed or logged.
+without a ``reason`` carries no worker verdict: either the SQS redrive policy moved it
+(``maxReceiveCount`` receives without a verdict, e.g. workers killed mid-task) or someone
+sent it straight to the DLQ; the two cannot be told apart, so it is shown as
+``no-reason`` and its age counts from when it was first sent. The body is read only to
+find a missing ``run_id``/``task``; payloads are never returned, printed or logged.
+
+Attributes are whatever the sender wrote (anyone with ``sqs:SendMessage`` on a DLQ can
+write any). The body's origin is checked when signing keys are set: the relay's
+``signature`` attribute, which the worker keeps when it dead-letters, must be the
+body's HMAC under one of ``signing_keys`` (``origin`` ``verified``); the run, task and
+tenant shown are then the signed body's. Otherwise ``origin`` is ``unverified`` (keys
+set, no valid signature) or ``unchecked`` (no keys: nothing to check with).
 
 The scan stops when it has seen as many messages as the queue's
 ``ApproximateNumberOfMessages`` said at the start, when a 1-second long poll comes back
@@ -34,6 +42,7 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
+from sqla_outbox import envelope
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
 from sqla_outbox.ops.runs import statuses_of
@@ -48,8 +57,16 @@ LIST_VISIBILITY_SECONDS = 30
 DEFAULT_MAX_MESSAGES = 1000
 """Most messages one scan receives per DLQ."""
 
-REDRIVE_REASON = "sqs-redrive"
-"""Reason shown for messages the SQS redrive policy moved (no worker verdict)."""
+NO_REASON = "no-reason"
+"""Reason shown for messages without a worker verdict (moved by the SQS redrive policy, or
+sent straight to the DLQ by anyone allowed to)."""
+
+ORIGIN_VERIFIED = "verified"
+"""Signing keys are set and the body's ``signature`` attribute is its HMAC under one of them."""
+ORIGIN_UNVERIFIED = "unverified"
+"""Signing keys are set and the signature is missing or wrong: not a body our relay sent."""
+ORIGIN_UNCHECKED = "unchecked"
+"""No signing keys: a body's origin cannot be checked."""
 
 _BODY_PEEK_BYTES = 1_048_576
 _NAME_CHARS = 200
@@ -68,7 +85,7 @@ class DeadLetter:
         task: Task name, when known. tenant_id: Tenant, None for platform work or unknown.
         reason: Why it was dead-lettered (``permanent-error``, ``retries-exhausted``,
             ``receive-limit``, ``unknown-run``, ``malformed-envelope:...``, ...; or
-            ``sqs-redrive``).
+            ``no-reason``). Written by the sender: never proof of anything.
         error_type: Exception type of the last failure, when there was one.
         receive_count: Receives of the source message when it failed.
         failed_at: When it was dead-lettered (``failed_at`` attribute; else when it was
@@ -76,6 +93,7 @@ class DeadLetter:
         age_seconds: Now minus ``failed_at``.
         run_status: The run's status in ``task_runs`` when the database was asked
             (``failed`` = can be requeued); None when unknown or not asked.
+        origin: ``verified``, ``unverified`` or ``unchecked`` (see the module docstring).
     """
 
     queue: str
@@ -90,6 +108,7 @@ class DeadLetter:
     failed_at: dt.datetime | None
     age_seconds: float | None
     run_status: str | None = None
+    origin: str = ORIGIN_UNCHECKED
 
 
 @dataclasses.dataclass
@@ -203,11 +222,32 @@ def _failed_at(attributes: Mapping[str, str], system: Mapping[str, Any]) -> dt.d
     return None if sent is None else dt.datetime.fromtimestamp(sent / 1000, dt.UTC)
 
 
-def parse_message(queue: str, dlq: str, message: Mapping[str, Any], *, now: dt.datetime) -> Received:
-    """Turn a ReceiveMessage entry of ``queue``'s DLQ into a :class:`Received`."""
+def origin_of(body: str, attributes: Mapping[str, str], keys: Sequence[str]) -> str:
+    """``verified``, ``unverified`` or ``unchecked``: whether ``body`` carries the relay's
+    signature (the ``signature`` attribute, HMAC-SHA256 under one of ``keys``)."""
+    if not keys:
+        return ORIGIN_UNCHECKED
+    signature = attributes.get(envelope.SIGNATURE_ATTRIBUTE)
+    return ORIGIN_VERIFIED if envelope.signature_valid(body, signature, keys) else ORIGIN_UNVERIFIED
+
+
+def parse_message(
+    queue: str, dlq: str, message: Mapping[str, Any], *, now: dt.datetime, keys: Sequence[str] = ()
+) -> Received:
+    """Turn a ReceiveMessage entry of ``queue``'s DLQ into a :class:`Received`.
+
+    Args:
+        keys: Signing keys (``signing_keys``); with them, a body whose signature verifies
+            is the authority for run, task and tenant (attributes are unsigned).
+    """
     attributes = _string_attributes(message)
     body = str(message.get("Body", ""))
-    from_body = _body_fields(body) if "run_id" not in attributes or "task" not in attributes else {}
+    origin = origin_of(body, attributes, keys)
+    if origin == ORIGIN_VERIFIED:
+        from_body = _body_fields(body)
+        attributes = {k: v for k, v in attributes.items() if k not in ("run_id", "task", "tenant_id")}
+    else:
+        from_body = _body_fields(body) if "run_id" not in attributes or "task" not in attributes else {}
     task = attributes.get("task") or from_body.get("task")
     failed_at = _failed_at(attributes, message.get("Attributes") or {})
     letter = DeadLetter(
@@ -217,11 +257,12 @@ def parse_message(queue: str, dlq: str, message: Mapping[str, Any], *, now: dt.d
         run_id=_uuid_or_none(attributes.get("run_id") or from_body.get("run_id")),
         task=task[:_NAME_CHARS] if isinstance(task, str) else None,
         tenant_id=_int_or_none(attributes.get("tenant_id", from_body.get("tenant_id"))),
-        reason=attributes.get("reason") or REDRIVE_REASON,
+        reason=attributes.get("reason") or NO_REASON,
         error_type=attributes.get("error_type"),
         receive_count=_int_or_none(attributes.get("receive_count")),
         failed_at=failed_at,
         age_seconds=None if failed_at is None else max(0.0, (now - failed_at).total_seconds()),
+        origin=origin,
     )
     return Received(letter=letter, receipt_handle=str(message["ReceiptHandle"]), body=body)
 
@@ -258,10 +299,13 @@ class DeadLetterScan:
         self.queue = queue
         self.dlq_name = directory.settings.dlq_url_name(queue)
         self.url = directory.dlq_url(queue)
+        self.keys = directory.settings.signing_keys
         self.visibility_seconds = visibility_seconds
         self.max_messages = max_messages
         self.truncated = False
-        self._held: dict[str, Received] = {}
+        self._held: dict[str, str] = {}
+        """message id → newest receipt handle of what was received and not deleted (no bodies:
+        a scan may hold thousands of messages)."""
         self._seen: set[str] = set()
 
     def __enter__(self) -> DeadLetterScan:
@@ -298,9 +342,9 @@ class DeadLetterScan:
             now = dt.datetime.now(dt.UTC)
             batch: list[Received] = []
             for message in messages:
-                received = parse_message(self.queue, self.dlq_name, message, now=now)
+                received = parse_message(self.queue, self.dlq_name, message, now=now, keys=self.keys)
                 message_id = received.letter.message_id
-                self._held[message_id] = received  # newest receipt handle wins
+                self._held[message_id] = received.receipt_handle  # newest receipt handle wins
                 if message_id not in self._seen:
                     self._seen.add(message_id)
                     batch.append(received)
@@ -336,15 +380,15 @@ class DeadLetterScan:
     def release(self) -> None:
         """Make every held (received, not deleted) message visible again at once."""
         held = list(self._held.values())
-        self._held.clear()
+        self._held.clear()  # receipt handles
         for start in range(0, len(held), SQS_MAX_BATCH_ENTRIES):
             chunk = held[start : start + SQS_MAX_BATCH_ENTRIES]
             try:
                 self.client.change_message_visibility_batch(
                     QueueUrl=self.url,
                     Entries=[
-                        {"Id": str(i), "ReceiptHandle": m.receipt_handle, "VisibilityTimeout": 0}
-                        for i, m in enumerate(chunk)
+                        {"Id": str(i), "ReceiptHandle": handle, "VisibilityTimeout": 0}
+                        for i, handle in enumerate(chunk)
                     ],
                 )
             except Exception as exc:  # they become visible anyway when the visibility ends
@@ -356,8 +400,7 @@ class DeadLetterScan:
                 )
 
     def _handle(self, message: Received) -> str:
-        held = self._held.get(message.letter.message_id)
-        return held.receipt_handle if held is not None else message.receipt_handle
+        return self._held.get(message.letter.message_id, message.receipt_handle)
 
 
 def list_dead_letters(

@@ -17,28 +17,47 @@ A requeue never sends to SQS itself. For each selected run, in **one transaction
    history still counts the earlier attempts;
 3. make its outbox row pending again (``sent_at`` NULL, ``attempts`` 0, ``available_at``
    now). If ``maintenance.purge`` already deleted the row (sent rows go after 7 days,
-   failed runs stay 30), it is recreated from the DLQ message body, which is the
-   envelope; the body is decoded as untrusted input and must name the same run, task,
-   tenant and queue. ``run_id`` is UNIQUE in the outbox tables, so a run has one row;
+   failed runs stay 30), it is rebuilt from the DLQ message body, which is the envelope,
+   only when that body can be trusted (below). ``run_id`` is UNIQUE in the outbox
+   tables, so a run has one row;
 4. add a trail row: status ``queued``, detail ``{"requeued_by": "operator", "from":
-   "failed", "source": "dlq"|"database", "outbox": "reset"|"recreated", ...}``.
+   "failed", "source": "dlq"|"database", "outbox": "reset"|"recreated", ...}`` (and
+   ``"body": "verified"|"unchecked"`` when rebuilt).
 
 With the PostgreSQL wake (``settings.wake_notify``) the transaction also ``NOTIFY``s the
-relay, which PostgreSQL delivers when it commits. Then, after the commits of a batch: one
+relay, which PostgreSQL delivers when it commits. Then, after the commits of a DLQ: one
 Valkey wake (LPUSH, :class:`sqla_outbox.wakeup.Waker`, when that wake is in force), so the
 relay sends the rows at once (its sweep would find them anyway), and only then the
 DLQ messages of the requeued runs are deleted. If the process dies between the commit
 and the delete, the DLQ message stays; requeueing it again is refused (the run is not
 ``failed`` any more), so nothing runs twice because of it.
 
-Messages the worker refused without executing them (``bad-signature``,
-``malformed-envelope:*``, ``unknown-run``, ``envelope-mismatch``) are never requeued: they
-are not the run's own message and may be forged; the run they name, if it failed, has its
-own DLQ message. Messages without a ``run_id`` are skipped too (``not-a-run``).
+**What a DLQ message is trusted for.** Anyone with ``sqs:SendMessage`` on a queue or a
+DLQ can write any body and any attributes (``docs/security.md``). So:
+
+* a message is never acted on when the worker refused it unexecuted (``bad-signature``,
+  ``malformed-envelope:*``, ``unknown-run``, ``envelope-mismatch``, ``wrong-queue``: it
+  is not the run's own message), when it names no run (``not-a-run``), when it was found
+  in another queue's DLQ than its run's, or, by default, when it carries no worker
+  verdict at all (``no-reason``: moved by the SQS redrive policy or sent straight to the
+  DLQ; ``include_no_reason`` / ``--include-no-reason`` acts on it);
+* with ``signing_keys`` set, only messages whose body carries the relay's signature
+  (kept by the worker when it dead-letters) are acted on; the run is the signed body's.
+  Others are reported as ``unverified`` and left in the DLQ;
+* the database stays the truth: a run is requeued only if ``task_runs`` says ``failed``,
+  and while its outbox row exists the row is what is sent again, never the DLQ body;
+* a purged row is rebuilt from a signed body; without signing keys, only with
+  ``trust_dlq_body`` (``--trust-dlq-body``), which the report and the trail record;
+* copies of one run are decided together, after the whole DLQ was read (SQS returns
+  messages in no guaranteed order): a row is rebuilt only when every usable copy carries
+  the same envelope (``conflicting-copies`` otherwise).
+
+Messages that are not acted on stay in the DLQ, visible again when the command ends.
 
 ``--run-id`` also reaches failed runs whose DLQ message is gone (expired, deleted by
-hand): when no DLQ message is found for a requested run, it is requeued from the
-database alone, which needs its outbox row (there is no other copy of the payload).
+hand) or not usable: when no usable DLQ message is found for a requested run, it is
+requeued from the database alone, which needs its outbox row (there is no other copy of
+the payload).
 
 ``--dry-run`` runs exactly the same statements and rolls each transaction back, so it
 reports what the guardrails would decide (including the unique index); it wakes nothing
@@ -49,10 +68,12 @@ from __future__ import annotations
 
 import dataclasses
 import getpass
+import hashlib
 import json
 import logging
 import socket
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import Text, bindparam, text
@@ -63,15 +84,24 @@ from sqlalchemy.exc import IntegrityError
 from sqla_outbox import envelope
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
-from sqla_outbox.ops.dlq import DeadLetter, DeadLetterFilter, DeadLetterScan, Received
+from sqla_outbox.ops.dlq import (
+    NO_REASON,
+    ORIGIN_UNCHECKED,
+    ORIGIN_VERIFIED,
+    DeadLetter,
+    DeadLetterFilter,
+    DeadLetterScan,
+    Received,
+)
 from sqla_outbox.sqs.client import QueueDirectory, is_missing_queue
 from sqla_outbox.types import UNFINISHED_STATUSES, WAKE_CHANNEL
 from sqla_outbox.wakeup import Waker
 
 logger = logging.getLogger(__name__)
 
-REQUEUE_VISIBILITY_SECONDS = 120
-"""How long the scan hides each DLQ message while its batch is requeued."""
+REQUEUE_VISIBILITY_SECONDS = 600
+"""How long the scan hides each DLQ message: a whole DLQ is read before its runs are
+decided (copies of one run are decided together), then requeued and deleted."""
 
 REQUEUED = "requeued"
 WOULD_REQUEUE = "would-requeue"
@@ -86,8 +116,12 @@ NO_ENVELOPE = "no-envelope"
 FILTERED_OUT = "filtered-out"
 DATABASE_REFUSED = "database-refused"
 FOREIGN_MESSAGE = "foreign-message"
+NO_VERDICT = NO_REASON
+UNVERIFIED = "unverified"
+UNVERIFIABLE_BODY = "unverifiable-body"
+CONFLICTING_COPIES = "conflicting-copies"
 
-FOREIGN_REASONS = frozenset({"bad-signature", "unknown-run", "envelope-mismatch"})
+FOREIGN_REASONS = frozenset({"bad-signature", "unknown-run", "envelope-mismatch", "wrong-queue"})
 """DLQ reasons of messages the worker refused without executing them
 (:func:`sqla_outbox.worker.handle._dead_letter_foreign`), plus every
 ``malformed-envelope:*``. Such a message is not the run's own message (it may be forged),
@@ -158,6 +192,14 @@ _NOTIFY = text(f"SELECT pg_notify('{WAKE_CHANNEL}', '')")
 _QUEUES_OF = text("SELECT run_id, queue FROM task_runs WHERE run_id = ANY(:run_ids)").bindparams(
     bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True)))
 )
+_FAILED_AND_PURGED = text(
+    """
+SELECT r.run_id FROM task_runs AS r
+WHERE r.run_id = ANY(:run_ids) AND r.status = 'failed'
+  AND NOT EXISTS (SELECT 1 FROM outbox_messages AS o WHERE o.run_id = r.run_id)
+  AND NOT EXISTS (SELECT 1 FROM platform_outbox_messages AS p WHERE p.run_id = r.run_id)
+"""
+).bindparams(bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True))))
 
 
 @dataclasses.dataclass
@@ -167,15 +209,18 @@ class RequeueItem:
     Attributes:
         run_id / task / tenant_id / queue: The run, as far as known.
         action: ``requeued``, ``would-requeue`` (dry run) or ``skipped``.
-        reason: Why it was skipped (``not-a-run``, ``foreign-message``, ``unknown-run``,
-            ``not-failed``, ``idempotency-conflict``, ``no-envelope``, ``filtered-out``,
-            ``database-refused``); None otherwise.
+        reason: Why it was skipped (``not-a-run``, ``foreign-message``, ``no-reason``,
+            ``unverified``, ``unknown-run``, ``not-failed``, ``idempotency-conflict``,
+            ``no-envelope``, ``unverifiable-body``, ``conflicting-copies``,
+            ``filtered-out``, ``database-refused``); None otherwise.
         detail: A sentence for humans (the status found, the run holding the key, ...).
         source: ``dlq`` (found through a DLQ message) or ``database`` (``--run-id``
             whose DLQ message was not found).
         outbox: ``reset`` (the row was made pending again) or ``recreated`` (from the
             DLQ body after a purge); None when skipped.
-        dlq_message_ids: The run's DLQ messages seen (copies included).
+        body_origin: For ``recreated``: ``verified`` (the body's signature checked out) or
+            ``unchecked`` (no signing keys; trusted because ``trust_dlq_body`` was given).
+        dlq_message_ids: The run's DLQ messages used (copies included).
         dlq_deleted: How many of them were deleted.
     """
 
@@ -188,6 +233,7 @@ class RequeueItem:
     detail: str | None = None
     source: str = "dlq"
     outbox: str | None = None
+    body_origin: str | None = None
     dlq_message_ids: list[str] = dataclasses.field(default_factory=list)
     dlq_deleted: int = 0
 
@@ -220,6 +266,11 @@ class RequeueReport:
     def skipped(self) -> int:
         return sum(1 for item in self.items if item.action == SKIPPED)
 
+    @property
+    def rebuilt_unchecked(self) -> int:
+        """Outbox rows rebuilt from DLQ bodies nothing could verify (``trust_dlq_body``)."""
+        return sum(1 for item in self.items if item.selected and item.body_origin == ORIGIN_UNCHECKED)
+
 
 def operator_id() -> str:
     """``operator:<user>@<host>``, recorded as the trail row's ``worker_id``."""
@@ -248,10 +299,27 @@ def _filters_exclude(filters: DeadLetterFilter, run: Any) -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Rebuild:
+    """What a purged outbox row may be rebuilt from, decided over every usable DLQ copy.
+
+    Attributes:
+        body: The DLQ body to rebuild from (every usable copy carries the same envelope),
+            or None when there is none.
+        origin: ``verified`` or ``unchecked`` (see :mod:`sqla_outbox.ops.dlq`).
+        refusal: ``(reason, detail)`` when the copies may not be used at all
+            (``unverifiable-body``, ``conflicting-copies``); then ``body`` is None.
+    """
+
+    body: str | None = None
+    origin: str | None = None
+    refusal: tuple[str, str] | None = None
+
+
 def _envelope_for(body: str | None, run: Any, settings: OutboxSettings) -> tuple[str | None, str]:
     """The envelope JSON to recreate the outbox row from, or None and why not."""
     if body is None:
-        return None, "its outbox row was purged and no DLQ message carries the envelope"
+        return None, "its outbox row was purged and no usable DLQ message carries the envelope"
     try:
         decoded = envelope.decode(body, max_bytes=settings.max_message_bytes)
     except envelope.MalformedEnvelope as exc:
@@ -271,10 +339,11 @@ def requeue_run(
     run_id: uuid.UUID,
     settings: OutboxSettings,
     *,
-    body: str | None,
+    rebuild: Rebuild | None,
     source: str,
     trail_detail: dict[str, Any],
     filters: DeadLetterFilter | None = None,
+    dlq_queue: str | None = None,
 ) -> RequeueItem:
     """Apply the guardrails and the requeue statements for one run, in the caller's
     transaction (the caller commits, or rolls back for a dry run).
@@ -283,10 +352,13 @@ def requeue_run(
         connection: Inside a transaction; the run row stays locked until it ends.
         run_id: The run.
         settings: ``max_message_bytes`` bounds the DLQ body decoded.
-        body: The DLQ message body (the envelope), or None (database-only requeue).
+        rebuild: What a purged outbox row may be rebuilt from (:class:`Rebuild`); None
+            for a database-only requeue (a purged row is then not rebuilt).
         source: ``dlq`` or ``database`` (recorded in the item and the trail).
         trail_detail: Extra keys for the trail row's detail.
         filters: For database-only requeues, the task/queue/age filters to honour.
+        dlq_queue: The logical queue whose DLQ held the message; a run of another queue
+            is refused (its own messages are in its own queue's DLQ).
 
     Returns:
         The :class:`RequeueItem`, ``action`` ``requeued`` or ``skipped``.
@@ -296,6 +368,13 @@ def requeue_run(
     if run is None:
         return _skip(item, UNKNOWN_RUN, "no task_runs row (never dispatched, or purged)")
     item.task, item.tenant_id, item.queue = run.task, run.tenant_id, run.queue
+    if dlq_queue is not None and dlq_queue != run.queue:
+        return _skip(
+            item,
+            FOREIGN_MESSAGE,
+            f"found in the {dlq_queue} DLQ, but the run belongs to the {run.queue} queue: "
+            "not its own message",
+        )
     if filters is not None:
         excluded = _filters_exclude(filters, run)
         if excluded:
@@ -320,7 +399,11 @@ def requeue_run(
         if connection.execute(_RESET_OUTBOX[table], {"run_id": run_id}).first() is not None:
             item.outbox = "reset"
         else:
-            document, why_not = _envelope_for(body, run, settings)
+            rebuild = rebuild or Rebuild()
+            if rebuild.refusal is not None:
+                savepoint.rollback()
+                return _skip(item, *rebuild.refusal)
+            document, why_not = _envelope_for(rebuild.body, run, settings)
             if document is None:
                 savepoint.rollback()
                 return _skip(item, NO_ENVELOPE, why_not)
@@ -328,12 +411,13 @@ def requeue_run(
                 _RECREATE_OUTBOX[table],
                 {"run_id": run_id, "tenant_id": run.tenant_id, "queue": run.queue, "envelope": document},
             )
-            item.outbox = "recreated"
+            item.outbox, item.body_origin = "recreated", rebuild.origin
         detail = {
             "requeued_by": "operator",
             "from": "failed",
             "source": source,
             "outbox": item.outbox,
+            **({"body": item.body_origin} if item.body_origin else {}),
             **trail_detail,
         }
         connection.execute(
@@ -369,10 +453,11 @@ def _requeue_one(
     settings: OutboxSettings,
     *,
     dry_run: bool,
-    body: str | None,
+    rebuild: Rebuild | None,
     source: str,
     trail_detail: dict[str, Any],
     filters: DeadLetterFilter | None = None,
+    dlq_queue: str | None = None,
 ) -> RequeueItem:
     with engine.connect() as connection:
         transaction = connection.begin()
@@ -381,10 +466,11 @@ def _requeue_one(
                 connection,
                 run_id,
                 settings,
-                body=body,
+                rebuild=rebuild,
                 source=source,
                 trail_detail=trail_detail,
                 filters=filters,
+                dlq_queue=dlq_queue,
             )
         except BaseException:
             transaction.rollback()
@@ -417,6 +503,8 @@ def requeue(
     *,
     dry_run: bool = False,
     waker: Waker | None = None,
+    trust_dlq_body: bool = False,
+    include_no_reason: bool = False,
     visibility_seconds: int = REQUEUE_VISIBILITY_SECONDS,
     max_messages: int = 10_000,
 ) -> RequeueReport:
@@ -425,11 +513,16 @@ def requeue(
     Args:
         engine: Engine of the outbox database.
         client: boto3 SQS client.
-        settings: Queue names, ``max_message_bytes``.
+        settings: Queue names, ``max_message_bytes``, ``signing_keys`` (DLQ bodies are
+            verified against them).
         filters: Which DLQ messages (``queues``, ``tasks``, ``older_than``) or runs
             (``run_ids``) to act on.
         dry_run: Decide and report, change nothing.
-        waker: Pushes the wake after each committed batch; None: rely on the sweep.
+        waker: Pushes the wake after each DLQ's commits; None: rely on the sweep.
+        trust_dlq_body: Without signing keys, rebuild a purged outbox row from a DLQ body
+            nothing can verify (when every copy agrees). No effect with signing keys:
+            only signed bodies are used then.
+        include_no_reason: Also act on DLQ messages without a worker verdict (``no-reason``).
         visibility_seconds: How long scanned DLQ messages stay hidden.
         max_messages: Most DLQ messages received per queue.
 
@@ -450,13 +543,16 @@ def requeue(
             known_queues = {str(row.queue) for row in rows}
         queues = tuple(q for q in queues if q in known_queues)
     directory = QueueDirectory(client, settings)
+    policy = _Policy(settings, trust_dlq_body=trust_dlq_body, include_no_reason=include_no_reason)
     for queue in queues:
         try:
             with DeadLetterScan(
                 client, directory, queue, visibility_seconds=visibility_seconds, max_messages=max_messages
             ) as scan:
+                copies: dict[uuid.UUID, _Copies] = {}
                 for batch in scan.batches():
-                    _requeue_batch(engine, settings, scan, batch, filters, report, by_run, dry_run, waker)
+                    _collect(engine, policy, batch, filters, report, copies)
+                _decide(engine, settings, policy, scan, queue, copies, report, by_run, dry_run, waker)
         except Exception as exc:
             if not is_missing_queue(exc):
                 raise
@@ -468,7 +564,7 @@ def requeue(
             run_id,
             settings,
             dry_run=dry_run,
-            body=None,
+            rebuild=None,
             source="database",
             trail_detail={},
             filters=filters,
@@ -483,71 +579,183 @@ def requeue(
     return report
 
 
-def _requeue_batch(
+@dataclasses.dataclass(frozen=True)
+class _Policy:
+    settings: OutboxSettings
+    trust_dlq_body: bool
+    include_no_reason: bool
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.settings.signing_keys
+
+    @property
+    def keeps_bodies(self) -> bool:
+        """Whether a DLQ body can ever be used: signed ones, or unsigned ones on request."""
+        return bool(self.keys) or self.trust_dlq_body
+
+    def refusal(self, letter: DeadLetter) -> tuple[str, str] | None:
+        """Why this DLQ message is not acted on at all, whatever its run; None: usable."""
+        if letter.run_id is None:
+            return NOT_A_RUN, f"DLQ message {letter.message_id} carries no run_id ({letter.reason})"
+        if is_foreign(letter):
+            return (
+                FOREIGN_MESSAGE,
+                f"the worker refused this message unexecuted ({letter.reason}); it is not the run's own "
+                "message and is never requeued",
+            )
+        if letter.reason == NO_REASON and not self.include_no_reason:
+            return (
+                NO_VERDICT,
+                "no worker verdict: moved by the SQS redrive policy, or sent straight to the DLQ by "
+                "anyone allowed to; --include-no-reason acts on it",
+            )
+        if self.keys and letter.origin != ORIGIN_VERIFIED:
+            return (
+                UNVERIFIED,
+                "its body does not carry a valid signature under the signing keys: not a message our "
+                "relay sent (or signed with a key no longer configured); never requeued",
+            )
+        return None
+
+    def rebuild(self, copies: _Copies) -> Rebuild:
+        if not self.keys and not self.trust_dlq_body:
+            return Rebuild(
+                refusal=(
+                    UNVERIFIABLE_BODY,
+                    "its outbox row was purged, and without signing keys a DLQ body cannot be "
+                    "verified (anyone allowed to send to the queue or its DLQ could have written "
+                    "it); --trust-dlq-body rebuilds the row from it anyway",
+                )
+            )
+        if len(copies.digests) > 1:
+            return Rebuild(
+                refusal=(
+                    CONFLICTING_COPIES,
+                    f"its outbox row was purged and its {len(copies.received)} DLQ copies carry "
+                    f"{len(copies.digests)} different envelopes: none is used",
+                )
+            )
+        origin = ORIGIN_VERIFIED if self.keys else ORIGIN_UNCHECKED
+        return Rebuild(body=copies.body, origin=origin)
+
+
+@dataclasses.dataclass
+class _Copies:
+    """The usable DLQ messages naming one run, in its queue's DLQ (bodies not kept)."""
+
+    received: list[Received] = dataclasses.field(default_factory=list)
+    digests: set[str] = dataclasses.field(default_factory=set)
+    body: str | None = None
+
+    def add(self, received: Received, *, settings: OutboxSettings, keep_body: bool) -> None:
+        self.digests.add(_digest(received.body, settings))
+        if keep_body and self.body is None:
+            self.body = received.body
+        self.received.append(dataclasses.replace(received, body=""))
+
+
+def _digest(body: str, settings: OutboxSettings) -> str:
+    """Identity of the envelope a body carries (canonical form: SQS may deliver the same
+    envelope with another key order), or of the raw body when it is not one."""
+    try:
+        document = envelope.encode_document(
+            envelope.decode(body, max_bytes=settings.max_message_bytes).to_document()
+        )
+    except envelope.MalformedEnvelope:
+        document = "raw:" + body
+    return hashlib.sha256(document.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _collect(
     engine: Engine,
-    settings: OutboxSettings,
-    scan: DeadLetterScan,
+    policy: _Policy,
     batch: list[Received],
     filters: DeadLetterFilter,
+    report: RequeueReport,
+    copies: dict[uuid.UUID, _Copies],
+) -> None:
+    """Sort one received batch: messages never acted on become skipped items at once; the
+    usable ones join their run's copies (decided when the whole DLQ was read)."""
+    usable: list[Received] = []
+    for received in batch:
+        letter = received.letter
+        if not filters.matches(letter):
+            continue  # released (made visible again) when the scan ends
+        refusal = policy.refusal(letter)
+        if refusal is None:
+            usable.append(received)
+            continue
+        report.items.append(
+            RequeueItem(
+                run_id=letter.run_id,
+                task=letter.task,
+                tenant_id=letter.tenant_id,
+                queue=letter.queue,
+                action=SKIPPED,
+                reason=refusal[0],
+                detail=refusal[1],
+                dlq_message_ids=[letter.message_id],
+            )
+        )
+    needing_a_body = (
+        _failed_and_purged(engine, (r.letter.run_id for r in usable)) if policy.keeps_bodies else set()
+    )
+    for received in usable:
+        run_id = received.letter.run_id
+        assert run_id is not None
+        copies.setdefault(run_id, _Copies()).add(
+            received, settings=policy.settings, keep_body=run_id in needing_a_body
+        )
+
+
+def _failed_and_purged(engine: Engine, run_ids: Iterable[uuid.UUID | None]) -> set[uuid.UUID]:
+    """The runs among ``run_ids`` that are failed and whose outbox row is gone: the only
+    ones whose DLQ body may be needed (so memory holds at most one body per such run)."""
+    wanted = sorted({r for r in run_ids if r is not None})
+    if not wanted:
+        return set()
+    with engine.connect() as connection:
+        return {row.run_id for row in connection.execute(_FAILED_AND_PURGED, {"run_ids": wanted})}
+
+
+def _decide(
+    engine: Engine,
+    settings: OutboxSettings,
+    policy: _Policy,
+    scan: DeadLetterScan,
+    queue: str,
+    copies: dict[uuid.UUID, _Copies],
     report: RequeueReport,
     by_run: dict[uuid.UUID, RequeueItem],
     dry_run: bool,
     waker: Waker | None,
 ) -> None:
+    """Requeue each run of one DLQ over all of its usable copies, then wake the relay and
+    delete the copies of the runs requeued."""
     to_delete: list[tuple[Received, RequeueItem]] = []
-    for received in batch:
-        letter: DeadLetter = received.letter
-        if not filters.matches(letter):
-            continue  # released (made visible again) when the scan ends
-        if letter.run_id is None:
-            report.items.append(
-                RequeueItem(
-                    run_id=None,
-                    task=letter.task,
-                    tenant_id=letter.tenant_id,
-                    queue=letter.queue,
-                    action=SKIPPED,
-                    reason=NOT_A_RUN,
-                    detail=f"DLQ message {letter.message_id} carries no run_id ({letter.reason})",
-                    dlq_message_ids=[letter.message_id],
-                )
-            )
-            continue
-        if is_foreign(letter):
-            report.items.append(
-                RequeueItem(
-                    run_id=letter.run_id,
-                    task=letter.task,
-                    tenant_id=letter.tenant_id,
-                    queue=letter.queue,
-                    action=SKIPPED,
-                    reason=FOREIGN_MESSAGE,
-                    detail=f"the worker refused this message unexecuted ({letter.reason}); it is not the "
-                    "run's own message and is never requeued",
-                    dlq_message_ids=[letter.message_id],
-                )
-            )
-            continue
-        item = by_run.get(letter.run_id)
-        if item is None:
-            item = _requeue_one(
-                engine,
-                letter.run_id,
-                settings,
-                dry_run=dry_run,
-                body=received.body,
-                source="dlq",
-                trail_detail={
-                    "dlq": letter.dlq,
-                    "dlq_message_id": letter.message_id,
-                    "dlq_reason": letter.reason,
-                },
-            )
-            by_run[letter.run_id] = item
-            report.items.append(item)
-        item.dlq_message_ids.append(letter.message_id)
-        if item.action == REQUEUED:  # copies of a requeued run go too
-            to_delete.append((received, item))
+    for run_id, found in copies.items():
+        first = found.received[0].letter
+        item = _requeue_one(
+            engine,
+            run_id,
+            settings,
+            dry_run=dry_run,
+            rebuild=policy.rebuild(found),
+            source="dlq",
+            trail_detail={
+                "dlq": first.dlq,
+                "dlq_message_id": first.message_id,
+                "dlq_reason": first.reason,
+                **({"dlq_copies": len(found.received)} if len(found.received) > 1 else {}),
+            },
+            dlq_queue=queue,
+        )
+        item.dlq_message_ids = [r.letter.message_id for r in found.received]
+        by_run[run_id] = item
+        report.items.append(item)
+        if item.action == REQUEUED:  # every copy of a requeued run goes
+            to_delete.extend((received, item) for received in found.received)
     if not to_delete:
         return
     if waker is not None:  # committed: wake the relay before the DLQ copies disappear

@@ -16,7 +16,11 @@ Between passes the relay waits for whichever comes first:
 
 * a wake: BLPOP on the Valkey wake key (:mod:`sqla_outbox.wakeup`) and/or a PostgreSQL
   notification (``LISTEN`` on a connection of its own, :mod:`sqla_outbox.relay.listen`),
-  each in a listener thread, as ``wake_mode`` says;
+  each in a listener thread, as ``wake_mode`` says; except that right after a pass a wake
+  started and that found nothing, the next wake waits :data:`WAKE_HOLD_SECONDS`: a flood
+  of wakes (pushes on the wake key by anyone who may write to Valkey, or NOTIFYs) then
+  costs at most 1 / WAKE_HOLD_SECONDS empty passes a second, and a wake that finds rows is
+  served at once;
 * the earliest future ``available_at`` it knows of (database clock), so delayed runs go
   out on time rather than at the next sweep;
 * the sweep interval (``relay_sweep_interval_seconds``), the guarantee when wakes are lost;
@@ -47,7 +51,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqla_outbox import metrics, migrations
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
-from sqla_outbox.logging import log_extra
+from sqla_outbox.logging import error_fields, log_extra
 from sqla_outbox.relay import claim
 from sqla_outbox.relay.hold import Holder
 from sqla_outbox.relay.listen import NotifyListener
@@ -58,6 +62,10 @@ from sqla_outbox.wakeup import WakeListener
 logger = logging.getLogger(__name__)
 
 _STATS_INTERVAL_SECONDS = 5.0
+
+WAKE_HOLD_SECONDS = 0.05
+"""After a wake-started pass that claimed nothing, the next wake is served no sooner than
+this (at most 20 empty wake-driven passes a second, however fast the key is pushed)."""
 
 
 @dataclasses.dataclass
@@ -124,13 +132,15 @@ def scheduling_catalog(settings: OutboxSettings, *, warn: bool = True) -> Catalo
 
 
 def make_engine(settings: OutboxSettings, *, pool_size: int = 2) -> Engine:
-    """Engine for relay/worker bookkeeping: pre-ping, and TCP keepalives so a vanished
-    peer is noticed within about 25 s."""
+    """Engine for relay/worker bookkeeping: pre-ping, TCP keepalives so a vanished peer is
+    noticed within about 25 s, and ``hide_parameters`` so a failed statement's error never
+    carries its parameters (an envelope, a payload) into a log line."""
     return sa.create_engine(
         settings.sqlalchemy_url,
         pool_size=pool_size,
         max_overflow=2,
         pool_pre_ping=True,
+        hide_parameters=True,
         connect_args={
             "keepalives": 1,
             "keepalives_idle": 10,
@@ -173,6 +183,9 @@ class Relay:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._stats_due = 0.0
+        self._wakes_held_until = 0.0
+        self._again = False
+        """Pass again at once, for the relay's own reasons (a full batch, a scheduled run)."""
         self._thread: threading.Thread | None = None
         self.scheduler = _make_scheduler(settings, catalog)
         self._next_slot_at: float | None = None
@@ -244,9 +257,7 @@ class Relay:
                         "the outbox tables are missing (run `python -m sqla_outbox migrate`); retrying"
                         if migrations.is_missing_outbox_table(exc)
                         else "relay lost the database; retrying",
-                        extra=log_extra(
-                            action="relay.db_error", error_type=type(exc.orig).__name__, retry_in_s=backoff
-                        ),
+                        extra=log_extra(action="relay.db_error", **error_fields(exc), retry_in_s=backoff),
                     )
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, 10.0)
@@ -306,46 +317,60 @@ class Relay:
         notify_listener = NotifyListener(self.settings, self._wake.set)
         notify_listener.start()
         try:
-            self._wake.set()  # first pass at once
+            self._again = True  # first pass at once
             result = PassResult()
             while not self._stop.is_set():
-                self._wait_for_work(connection, last_claimed=result.claimed)
+                woken = self._wait_for_work(connection, last_claimed=result.claimed)
                 if self._stop.is_set():
                     break
                 result = self.pass_once(connection)
+                metrics.RELAY_PASSES.labels(
+                    "wake" if woken else "timer", "yes" if result.claimed else "no"
+                ).inc()
+                if woken and not result.claimed:  # a wake for nothing: hold the next one
+                    self._wakes_held_until = time.monotonic() + WAKE_HOLD_SECONDS
                 if self.scheduler is not None and self._slot_due():
                     if self.scheduler.tick(connection):
-                        self._wake.set()
+                        self._again = True
                     self._plan_next_slot(connection)
                 if result.full:
-                    self._wake.set()
+                    self._again = True
         finally:
             listener.stop()
             notify_listener.stop()
             self._unlock(connection)
             self._set_leader(False)
 
-    def _wait_for_work(self, connection: Connection, *, last_claimed: int) -> None:
+    def _wait_for_work(self, connection: Connection, *, last_claimed: int) -> bool:
+        """Wait for the next reason to pass; True when it is a wake (the listener or
+        :meth:`wake`), False for the relay's own reasons (sweep, a delayed run's due time, a
+        schedule slot, a full batch, the first pass)."""
         self._refresh_stats(connection)
-        if self._wake.is_set():
-            self._wake.clear()
-            return
-        timeout = self.settings.relay_sweep_interval_seconds
-        due = claim.seconds_until_next_due(connection)
-        connection.commit()
-        if due is not None:
-            if due > 0:
-                timeout = min(timeout, due)  # the next delayed run, to the millisecond
-            elif last_claimed:
-                return  # became due since the last pass: go now
-            else:
-                # due but the last pass could claim nothing: locked by another
-                # transaction; look again shortly rather than spin
-                timeout = min(timeout, 0.02)
-        if self._next_slot_at is not None:
-            timeout = min(timeout, max(self._next_slot_at - time.monotonic(), 0.0))
-        self._wake.wait(timeout)
+        if self._again:
+            self._again = False
+            return False
+        if not self._wake.is_set():
+            timeout = self.settings.relay_sweep_interval_seconds
+            due = claim.seconds_until_next_due(connection)
+            connection.commit()
+            if due is not None:
+                if due > 0:
+                    timeout = min(timeout, due)  # the next delayed run, to the millisecond
+                elif last_claimed:
+                    return False  # became due since the last pass: go now
+                else:
+                    # due but the last pass could claim nothing: locked by another
+                    # transaction; look again shortly rather than spin
+                    timeout = min(timeout, 0.02)
+            if self._next_slot_at is not None:
+                timeout = min(timeout, max(self._next_slot_at - time.monotonic(), 0.0))
+            if not self._wake.wait(timeout):
+                return False
+        hold = self._wakes_held_until - time.monotonic()
+        if hold > 0:
+            self._stop.wait(hold)  # the last wake found nothing: a flood is not served faster
         self._wake.clear()
+        return True
 
     def _slot_due(self) -> bool:
         return self._next_slot_at is None or time.monotonic() >= self._next_slot_at

@@ -216,6 +216,7 @@ _SKIPPED = {
     runs.ClaimStatus.SUCCEEDED: "already-succeeded",
     runs.ClaimStatus.FAILED: "already-failed",
     runs.ClaimStatus.LEASED: "leased",
+    runs.ClaimStatus.NOT_DUE: "not-due",
 }
 
 
@@ -400,6 +401,7 @@ class _InlineRunner:
                     worker_id=WORKER_ID,
                     lease_seconds=VISIBILITY_TIMEOUT_SECONDS[env.queue],
                     receive_count=receive_count,
+                    honour_due_time=False,  # rows were picked by due time, or include_delayed
                 )
             if claim.status is not runs.ClaimStatus.CLAIMED:
                 leased = claim.status is runs.ClaimStatus.LEASED
@@ -548,7 +550,7 @@ class _AsyncBridge:
         url = engine.url
         if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2", "postgresql+pg8000"):
             url = url.set(drivername="postgresql+psycopg")
-        self.engine = create_async_engine(url)
+        self.engine = create_async_engine(url, hide_parameters=engine.hide_parameters)
         self.session_factory: Any = async_sessionmaker(self.engine)
         install(self.session_factory, settings, catalog=catalog)
         try:

@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqla_outbox import envelope, errors, metrics, presence
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
-from sqla_outbox.logging import log_extra
+from sqla_outbox.logging import error_fields, log_extra, safe_traceback
 from sqla_outbox.relay import make_engine
 from sqla_outbox.sqs.client import QueueDirectory, error_code, is_missing_queue, make_client
 from sqla_outbox.types import QUEUE_NAMES
@@ -440,11 +440,17 @@ class Worker:
         except asyncio.CancelledError:
             await self._give_back_safely(flight, "worker shutdown")
             raise
-        except Exception:
-            logger.exception(
+        except Exception as exc:
+            # never exc_info: a database error's text carries statement parameters (the
+            # envelope) or the failing row; error_fields and safe_traceback leave them out
+            logger.error(
                 "message handling failed; it will be delivered again",
                 extra=log_extra(
-                    action="worker.handle_error", queue=flight.queue, message_id=flight.message_id
+                    action="worker.handle_error",
+                    queue=flight.queue,
+                    message_id=flight.message_id,
+                    **error_fields(exc),
+                    traceback=safe_traceback(exc),
                 ),
             )
         finally:
@@ -496,8 +502,13 @@ class Worker:
         hide = self.own_poll_seconds_left(flight.queue) if self.stopping else 0.0
         try:
             await asyncio.shield(handling.give_back(self.runtime, flight, reason=reason, hide_seconds=hide))
-        except Exception:
-            logger.exception("could not return a message", extra=log_extra(action="worker.return_failed"))
+        except Exception as exc:
+            logger.error(
+                "could not return a message",
+                extra=log_extra(
+                    action="worker.return_failed", **error_fields(exc), traceback=safe_traceback(exc)
+                ),
+            )
 
     # --- shutdown ------------------------------------------------------------------------
     async def _drain_in_flight(self) -> None:

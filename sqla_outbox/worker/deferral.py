@@ -12,7 +12,8 @@ outbox send it again later, as a fresh message (new message id, receive count 1)
 1. **Database first**, one transaction (:func:`defer_run`): the run row is locked and
    checked (ours: same task and tenant; the outbox envelope equals the received one); its
    outbox row becomes pending again (``sent_at`` NULL) with ``available_at`` = now +
-   delay (database clock), or is re-inserted from the received envelope when
+   delay (database clock), never earlier than it was due already (a copy of a delayed
+   run received early cannot make it due now), or is re-inserted from the received envelope when
    ``maintenance.purge`` removed it; the run keeps its status (``queued`` or
    ``retrying``; a lease this attempt took is given back: ``running → queued`` with
    ``attempts - 1``); the trail records the deferral (``detail.deferred`` = reason,
@@ -104,7 +105,8 @@ def _row_sql(table: str) -> Any:
 def _repend_sql(table: str) -> Any:
     return text(
         f"UPDATE {table} SET sent_at = NULL, "
-        "available_at = clock_timestamp() + make_interval(secs => :delay) "
+        # never earlier than the row was due: a copy of a delayed run must not make it due now
+        "available_at = GREATEST(available_at, clock_timestamp() + make_interval(secs => :delay)) "
         "WHERE id = :id RETURNING available_at"
     ).bindparams(bindparam("delay", type_=Float))
 
@@ -116,14 +118,17 @@ _REINSERT = {
         """
 INSERT INTO outbox_messages (tenant_id, run_id, queue, envelope, available_at)
 VALUES (:tenant_id, :run_id, :queue, CAST(:document AS jsonb),
-        clock_timestamp() + make_interval(secs => :delay))
+        GREATEST((SELECT available_at FROM task_runs WHERE run_id = :run_id),
+                 clock_timestamp() + make_interval(secs => :delay)))
 RETURNING available_at
 """
     ).bindparams(bindparam("run_id", type_=UUID(as_uuid=True)), bindparam("delay", type_=Float)),
     "platform_outbox_messages": text(
         """
 INSERT INTO platform_outbox_messages (run_id, queue, envelope, available_at)
-VALUES (:run_id, :queue, CAST(:document AS jsonb), clock_timestamp() + make_interval(secs => :delay))
+VALUES (:run_id, :queue, CAST(:document AS jsonb),
+        GREATEST((SELECT available_at FROM task_runs WHERE run_id = :run_id),
+                 clock_timestamp() + make_interval(secs => :delay)))
 RETURNING available_at
 """
     ).bindparams(bindparam("run_id", type_=UUID(as_uuid=True)), bindparam("delay", type_=Float)),

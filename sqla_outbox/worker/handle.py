@@ -4,16 +4,21 @@
    otherwise → DLQ with reason ``bad-signature``, never executed, nothing read from the
    database.
 2. **Decode** the body (:func:`sqla_outbox.envelope.decode`: JSON only, size-bounded,
-   every field checked). Malformed → DLQ with the reason, never executed.
+   every field checked). Malformed → DLQ with the reason, never executed. An envelope
+   naming another queue than the one the message arrived on → DLQ as ``wrong-queue``
+   (it would run under that queue's visibility timeout and concurrency).
 3. **No handler here** (a task only newer code implements, during a rolling deploy): the
    run is deferred to the outbox (:mod:`sqla_outbox.worker.deferral`): the message is
    deleted and the outbox sends a fresh one later, so no attempt, no receive budget and
    no DLQ is spent on it. A run that is not ours is dead-lettered as below.
 4. **Take the run's lease** (:func:`sqla_outbox.worker.runs.take_lease`). No such run
-   (foreign or forged message) or a run of another task/tenant → DLQ, never executed.
-   A finished run → the copy is acknowledged and skipped (a failed run whose DLQ send
-   was interrupted gets it completed). A live lease elsewhere → the copy is hidden until
-   that lease would expire; it runs only if the other worker vanished.
+   (foreign or forged message) or a run of another task/tenant/queue → DLQ, never
+   executed. A finished run → the copy is acknowledged and skipped (a failed run whose
+   DLQ send was interrupted gets it completed). A live lease elsewhere → the copy is
+   hidden until that lease would expire; it runs only if the other worker vanished. A
+   run not due yet (``available_at`` ahead) → an early copy, hidden until the due time or,
+   when that is more than a minute away and the relay still holds the run's own message,
+   deleted (:func:`_early_copy`); the run's attempts are untouched.
 5. **Check** the receive count (a message redelivered past ``max_receives`` without a
    verdict, e.g. after worker crashes, goes to the DLQ).
 6. **Run** the handler with its timeout, heartbeat running (see ``heartbeat.py``). The
@@ -41,6 +46,7 @@ from typing import Any
 
 from sqla_outbox import envelope, errors, metrics, tracing
 from sqla_outbox.logging import log_extra, short_handle
+from sqla_outbox.sqs.client import SQS_MAX_VISIBILITY_SECONDS
 from sqla_outbox.worker import deferral, execute, runs
 from sqla_outbox.worker.context import bounded_detail
 from sqla_outbox.worker.flight import InFlight
@@ -118,6 +124,14 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
             runtime, flight, reason=f"malformed-envelope:{exc.reason}", detail=str(exc)
         )
         return
+    if env.queue != flight.queue:
+        await _dead_letter_foreign(
+            runtime,
+            flight,
+            reason="wrong-queue",
+            detail=f"the envelope names queue {env.queue!r} but the message arrived on {flight.queue!r}",
+        )
+        return
     flight.run_id, flight.task_name = env.run_id, env.task
     definition = runtime.registry.tasks.get(env.task)
     if definition is None:  # e.g. old code during a rolling deploy: leave it to a worker that has it
@@ -138,6 +152,7 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
             lease_seconds=runtime.visibility[flight.queue],
             receive_count=flight.receive_count,
             document=env.encode(),
+            queue=env.queue,
         ),
     )
     if claim.status is not runs.ClaimStatus.CLAIMED:
@@ -199,6 +214,9 @@ async def _settle_unclaimed(runtime: Runtime, flight: InFlight, claim: runs.Clai
             runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
         else:  # the permanent path was interrupted after `failed`: finish it
             await _send_to_dlq(runtime, flight, reason="completed-after-interruption", failure=None)
+        return
+    if status is runs.ClaimStatus.NOT_DUE:
+        await _early_copy(runtime, flight, claim.due_in_seconds)
         return
     if status is runs.ClaimStatus.LEASED:
         runtime.counters.duplicates_held += 1
@@ -371,7 +389,6 @@ async def _send_to_dlq(
         "failed_at": utc_now_text(),
         "receive_count": str(flight.receive_count),
         "source_queue": flight.queue,
-        "worker_id": runtime.worker_id,
     }
     dlq = await runtime.io(
         runtime.outcomes.dead_letter,
@@ -413,7 +430,6 @@ async def _dead_letter_foreign(runtime: Runtime, flight: InFlight, *, reason: st
         "failed_at": utc_now_text(),
         "receive_count": str(flight.receive_count),
         "source_queue": flight.queue,
-        "worker_id": runtime.worker_id,
     }
     await runtime.io(
         runtime.outcomes.dead_letter,
@@ -424,6 +440,48 @@ async def _dead_letter_foreign(runtime: Runtime, flight: InFlight, *, reason: st
         context,
     )
     metrics.DLQ_SENDS.labels(flight.queue, reason.split(":")[0]).inc()
+
+
+EARLY_COPY_HIDE_SECONDS = 60
+"""A copy due within this long is hidden until its due time rather than deleted: it might
+be the relay's own message, sent as the database clock stepped back, whose ``sent_at`` is
+not committed yet (PostgreSQL ``clock_timestamp()`` follows the system clock)."""
+
+
+async def _early_copy(runtime: Runtime, flight: InFlight, due_in_seconds: float) -> None:
+    """A message for a run that is not due yet: the relay sends a run only once it is due,
+    so this is a copy (someone resent a delayed run's message). It never runs early, and
+    it spends none of the run's attempts nor receives of the run's own message (SQS counts
+    every receive toward the redrive limit):
+
+    * due within :data:`EARLY_COPY_HIDE_SECONDS`: hidden until the due time, then handled
+      again (one more receive of this copy only);
+    * later, while the run's outbox row is pending: the relay sends the run's own message
+      at its due time, so the copy is deleted (hiding it for hours would spend a receive of
+      it every 12 hours, the SQS visibility limit);
+    * later, with the row already sent (a clock stepped back, a row edited by hand):
+      hidden until the due time.
+    """
+    assert flight.run_id is not None
+    run_id = flight.run_id
+    pending = due_in_seconds > EARLY_COPY_HIDE_SECONDS and await runtime.io(
+        runtime.in_transaction, lambda conn: runs.outbox_pending(conn, run_id)
+    )
+    runtime.counters.foreign += 1
+    if pending:
+        _log(
+            logging.WARNING,
+            "early copy of a delayed run deleted; the relay sends the run at its due time",
+            "worker.early_copy",
+            flight,
+            due_in_s=round(due_in_seconds, 3),
+        )
+        runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
+        return
+    limit = SQS_MAX_VISIBILITY_SECONDS - (time.monotonic() - flight.received_at) - 60
+    hide = max(1, min(math.ceil(due_in_seconds), int(limit)))
+    _log(logging.INFO, "run not due yet; message hidden until then", "worker.not_due", flight, hide_s=hide)
+    await runtime.io(runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
 
 
 async def _reconcile_lost(runtime: Runtime, flight: InFlight) -> None:

@@ -3,8 +3,10 @@
 * **ack** — DeleteMessage: the run succeeded (or the copy is of a finished run).
 * **retry** — ChangeMessageVisibility to the backoff: the message comes back by itself,
   and no worker slot is held meanwhile.
-* **dead-letter** — SendMessage to the queue's DLQ with the original body and attributes
-  plus the error context as message attributes, then DeleteMessage from the source.
+* **dead-letter** — SendMessage to the queue's DLQ with the original body, the original
+  ``run_id``/``task``/``tenant_id`` attributes and the relay's ``signature`` (the body's
+  proof of origin, which ``dlq requeue`` verifies), plus the error context as message
+  attributes, then DeleteMessage from the source.
 * **return** — ChangeMessageVisibility 0: visible again at once (shutdown).
 
 Backoff (:func:`backoff_seconds`): ``base * 2 ** (receive_count - 1)``, capped, with
@@ -25,15 +27,13 @@ from sqla_outbox.sqs.client import SQS_MAX_VISIBILITY_SECONDS, QueueDirectory
 SQS_MAX_MESSAGE_ATTRIBUTES = 10
 """A message carries at most 10 message attributes (SQS quota)."""
 
-_CONTEXT_KEYS = (
-    "reason",
-    "error_type",
-    "error_message",
-    "failed_at",
-    "receive_count",
-    "source_queue",
-    "worker_id",
-)
+ORIGIN_ATTRIBUTES = ("run_id", "task", "tenant_id", envelope.SIGNATURE_ATTRIBUTE)
+"""Copied from the message the relay sent. ``signature`` (HMAC of the body, present when
+signing keys are set) stays with the body, so a DLQ message keeps its proof of origin."""
+
+CONTEXT_ATTRIBUTES = ("reason", "failed_at", "receive_count", "source_queue", "error_type", "error_message")
+"""Added by the worker. The worker id is not among them (the run's trail and the worker's
+log line name it): 4 origin + 6 context attributes is SQS's limit of 10."""
 
 
 def backoff_seconds(
@@ -104,10 +104,13 @@ class Outcomes:
     ) -> str:
         """Send ``body`` to ``queue``'s DLQ with ``context`` attributes, then delete it.
 
-        The original attributes (run_id, task, tenant_id) are kept; the context
-        (reason, error_type, error_message, failed_at, receive_count, source_queue,
-        worker_id) is added, the error message truncated so the message stays within the
-        size limit. A body too large for the DLQ is replaced by a short JSON summary.
+        The original attributes of :data:`ORIGIN_ATTRIBUTES` (run_id, task, tenant_id and
+        the relay's signature) are kept; the context of :data:`CONTEXT_ATTRIBUTES`
+        (reason, failed_at, receive_count, source_queue, error_type, error_message) is
+        added, the error message truncated so the message stays within the size limit:
+        at most 10 attributes (SQS quota), origin first. A body too large for the DLQ is
+        replaced by a short JSON summary (which then carries no signature: it is not an
+        envelope).
 
         Returns:
             The DLQ's URL.
@@ -118,16 +121,15 @@ class Outcomes:
         """
         dlq_url = self.directory.dlq_url(queue)
         message_attributes: dict[str, dict[str, str]] = {}
-        for name in ("run_id", "task", "tenant_id"):
+        for name in ORIGIN_ATTRIBUTES:
             if name in attributes and "StringValue" in attributes[name]:
                 message_attributes[name] = {
                     "DataType": attributes[name].get("DataType", "String"),
                     "StringValue": attributes[name]["StringValue"][:256],
                 }
-        for key in _CONTEXT_KEYS:
+        for key in CONTEXT_ATTRIBUTES:
             if context.get(key):
                 message_attributes[key] = {"DataType": "String", "StringValue": str(context[key])}
-        message_attributes = dict(list(message_attributes.items())[:SQS_MAX_MESSAGE_ATTRIBUTES])
         size = envelope.message_size_bytes(body, message_attributes)
         if size > self.max_message_bytes and "error_message" in message_attributes:
             text = message_attributes["error_message"]["StringValue"]
@@ -135,6 +137,7 @@ class Outcomes:
             message_attributes["error_message"]["StringValue"] = text[:keep] + "…"
             size = envelope.message_size_bytes(body, message_attributes)
         if size > self.max_message_bytes:
+            message_attributes.pop(envelope.SIGNATURE_ATTRIBUTE, None)
             body = envelope.encode_document(
                 {
                     "sqla_outbox_dlq_summary": True,

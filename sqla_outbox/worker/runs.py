@@ -39,6 +39,7 @@ class ClaimStatus(enum.Enum):
     SUCCEEDED = "succeeded"  # finished: acknowledge the copy
     FAILED = "failed"  # finished: complete the DLQ path if it was not completed
     LEASED = "leased"  # another worker holds a live lease
+    NOT_DUE = "not_due"  # queued, but its available_at is still ahead: not ours to run yet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Claim:
         lease_remaining_seconds: For LEASED: seconds until the other lease expires.
         dead_lettered: For FAILED: whether the DLQ send was already recorded.
         previous_status: Status before the claim (for the log).
+        due_in_seconds: For NOT_DUE: seconds until the run's ``available_at`` (database clock).
     """
 
     status: ClaimStatus
@@ -58,13 +60,15 @@ class Claim:
     lease_remaining_seconds: float = 0.0
     dead_lettered: bool = False
     previous_status: str | None = None
+    due_in_seconds: float = 0.0
 
 
 _TAKE = text(
     """
 WITH prev AS (
-    SELECT run_id, task, tenant_id, status, attempts, dead_lettered_at,
-           EXTRACT(EPOCH FROM (lease_expires_at - clock_timestamp()))::float8 AS lease_left
+    SELECT run_id, task, tenant_id, queue, status, attempts, dead_lettered_at,
+           EXTRACT(EPOCH FROM (lease_expires_at - clock_timestamp()))::float8 AS lease_left,
+           EXTRACT(EPOCH FROM (available_at - clock_timestamp()))::float8 AS due_in
     FROM task_runs WHERE run_id = :run_id FOR UPDATE
 ),
 sent AS (
@@ -85,6 +89,8 @@ claimed AS (
     FROM prev, checked
     WHERE t.run_id = prev.run_id AND prev.task = :task
       AND prev.tenant_id IS NOT DISTINCT FROM :tenant_id AND checked.envelope_matches
+      AND (CAST(:queue AS text) IS NULL OR prev.queue = :queue)
+      AND (prev.due_in <= 0 OR NOT CAST(:honour_due_time AS boolean))
       AND (prev.status IN ('queued', 'retrying')
            OR (prev.status = 'running' AND (prev.lease_left IS NULL OR prev.lease_left <= 0)))
     RETURNING t.attempts
@@ -95,8 +101,8 @@ trail AS (
            jsonb_build_object('from', prev.status)
     FROM claimed, prev
 )
-SELECT prev.task, prev.tenant_id, prev.status, prev.lease_left, prev.dead_lettered_at,
-       checked.envelope_matches, claimed.attempts AS claimed_attempt
+SELECT prev.task, prev.tenant_id, prev.queue, prev.status, prev.lease_left, prev.due_in,
+       prev.dead_lettered_at, checked.envelope_matches, claimed.attempts AS claimed_attempt
 FROM prev CROSS JOIN checked LEFT JOIN claimed ON true
 """
 ).bindparams(
@@ -116,12 +122,16 @@ def take_lease(
     lease_seconds: float,
     receive_count: int,
     document: str | None = None,
+    queue: str | None = None,
+    honour_due_time: bool = True,
 ) -> Claim:
-    """Take the run's lease for a new attempt if nobody holds a live one.
+    """Take the run's lease for a new attempt if nobody holds a live one and the run is due.
 
-    The envelope's task and tenant must match the run (a forged message naming a real
-    run_id with another task is refused as MISMATCH), and so must its content (below).
-    Commits nothing: the caller does.
+    The envelope's task, tenant and queue must match the run (a forged message naming a
+    real run_id with another task is refused as MISMATCH), and so must its content
+    (below). A ``queued``/``retrying`` run whose ``available_at`` (database clock) is still
+    ahead is not taken: NOT_DUE, with the seconds left; the relay only sends a run once it
+    is due, so such a message is an early copy. Commits nothing: the caller does.
 
     Args:
         document: The received envelope as JSON text (``Envelope.encode()``). While the
@@ -130,6 +140,9 @@ def take_lease(
             PostgreSQL ``jsonb``); a copy that names a real run but carries another payload,
             queue, event, key or trace is refused as MISMATCH, whatever the run's status.
             None skips the comparison (test helpers that build their own messages).
+        queue: The envelope's queue; None skips the comparison.
+        honour_due_time: False takes a run that is not due yet (the inline test runner's
+            ``include_delayed``); the worker always passes True.
     """
     row = connection.execute(
         _TAKE,
@@ -141,14 +154,23 @@ def take_lease(
             "lease_seconds": lease_seconds,
             "receive_count": receive_count,
             "document": document,
+            "queue": queue,
+            "honour_due_time": honour_due_time,
         },
     ).one_or_none()
     if row is None:
         return Claim(ClaimStatus.NOT_FOUND)
     if row.claimed_attempt is not None:
         return Claim(ClaimStatus.CLAIMED, attempt=row.claimed_attempt, previous_status=row.status)
-    if row.task != task or row.tenant_id != tenant_id or not row.envelope_matches:
+    if (
+        row.task != task
+        or row.tenant_id != tenant_id
+        or not row.envelope_matches
+        or (queue is not None and row.queue != queue)
+    ):
         return Claim(ClaimStatus.MISMATCH, previous_status=row.status)
+    if honour_due_time and row.status in ("queued", "retrying") and row.due_in > 0:
+        return Claim(ClaimStatus.NOT_DUE, previous_status=row.status, due_in_seconds=float(row.due_in))
     if row.status == "succeeded":
         return Claim(ClaimStatus.SUCCEEDED, previous_status=row.status)
     if row.status == "failed":
@@ -306,6 +328,20 @@ def mark_dead_lettered(
     connection.execute(
         _DEAD_LETTERED, {"run_id": run_id, "receive_count": receive_count, "worker": worker_id, "dlq": dlq}
     )
+
+
+_OUTBOX_PENDING = text(
+    """
+SELECT EXISTS (SELECT 1 FROM outbox_messages WHERE run_id = :run_id AND sent_at IS NULL)
+    OR EXISTS (SELECT 1 FROM platform_outbox_messages WHERE run_id = :run_id AND sent_at IS NULL)
+"""
+).bindparams(bindparam("run_id", type_=UUID(as_uuid=True)))
+
+
+def outbox_pending(connection: Connection, run_id: uuid.UUID) -> bool:
+    """Whether the run's outbox row is still pending (the relay has not sent it yet, as far
+    as committed data says: a relay sending it right now has not committed ``sent_at``)."""
+    return bool(connection.execute(_OUTBOX_PENDING, {"run_id": run_id}).scalar())
 
 
 _STATUS = text("SELECT status FROM task_runs WHERE run_id = :run_id").bindparams(

@@ -103,7 +103,10 @@ class Runtime:
             from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
             self._async_engine = create_async_engine(
-                self.settings.sqlalchemy_url, pool_size=self.settings.worker_concurrency, pool_pre_ping=True
+                self.settings.sqlalchemy_url,
+                pool_size=self.settings.worker_concurrency,
+                pool_pre_ping=True,
+                hide_parameters=True,  # errors never carry statement parameters (payloads)
             )
             self._async_factory = async_sessionmaker(self._async_engine)
             install(self._async_factory, self.settings, catalog=self.catalog)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from sqla_outbox import Dispatch
+from sqla_outbox import Dispatch, envelope
 from sqla_outbox.config import OutboxSettings
-from tests.support import effects, receive_all, run_row, start_worker, status_of, wait_for
+from tests.e2e.test_ops_cli import cli, cli_json
+from tests.support import effects, receive_all, run_row, service_env, start_worker, status_of, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -219,3 +221,225 @@ def test_no_pickle_eval_or_exec_in_the_library() -> None:
                 if name in banned_modules | {"eval", "exec", "compile", "__import__"}
             ]
     assert offenders == []
+
+
+# --- the DLQ path (issue 12 (1)) --------------------------------------------------------------
+
+ATTACKER = {"mode": "record_payload", "amount": 1_000_000, "to": "attacker"}
+
+
+def _forge(sqs: Any, url: str, genuine: dict[str, Any], **attributes: str) -> None:
+    """What anyone with SendMessage on the DLQ can write: the genuine envelope, the
+    attacker's payload, the run's attributes plus ``attributes``."""
+    document = {**json.loads(genuine["Body"]), "payload": json.dumps(ATTACKER)}
+    sqs.send_message(
+        QueueUrl=url,
+        MessageBody=json.dumps(document, separators=(",", ":")),
+        MessageAttributes={
+            **{k: v for k, v in genuine["MessageAttributes"].items() if k in ("run_id", "task", "tenant_id")},
+            **{k: {"DataType": "String", "StringValue": v} for k, v in attributes.items()},
+        },
+    )
+
+
+def _attacker_ran(engine: sa.Engine) -> bool:
+    return any("attacker" in (effect.note or "") for effect in effects(engine))
+
+
+def test_dlq_requeue_without_signing_never_runs_a_forged_payload(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+) -> None:
+    """Issue 12 (1), as seen: a failed ``charge_card`` run, its outbox row purged and its
+    genuine DLQ message gone; a forged ``{"amount": 1000000, "to": "attacker"}`` put into
+    the DLQ ran after a routine ``dlq requeue --task charge_card``."""
+    env = service_env(settings, sqs_endpoint)
+    worker = start_worker(settings, sqs_endpoint, SQLA_OUTBOX_WORKER_RUN_RELAY="true")
+    try:
+        worker.wait_for_action("worker.started")
+        with app() as session, session.begin():
+            charge = Dispatch("charge_card", {"mode": "keyerror", "amount": 10, "to": "shop"}, tenant_id=3)
+            session.add(charge)
+        wait_for(lambda: run_row(engine, charge.run_id).dead_lettered_at is not None, timeout=30)
+        [genuine] = receive_all(sqs, queues["critical-dlq"], expect=1, timeout=10, visibility=0)
+        sqs.purge_queue(QueueUrl=queues["critical-dlq"])  # retention: the genuine copy is gone
+        with engine.begin() as conn:  # maintenance.purge: the row is gone
+            conn.execute(sa.text("DELETE FROM outbox_messages WHERE run_id = :r"), {"r": charge.run_id})
+        _forge(sqs, queues["critical-dlq"], genuine)  # straight into the DLQ: no verdict
+        _forge(sqs, queues["critical-dlq"], genuine, reason="permanent-error")  # a made-up verdict
+
+        report = cli_json(env, "dlq", "requeue", "--task", "charge_card")
+        assert sorted(item["reason"] for item in report["items"]) == ["no-reason", "unverifiable-body"]
+        assert report["requeued"] == 0 and status_of(engine, charge.run_id) == "failed"
+
+        # trusting the bodies on request says what it trusts (dry run: nothing changes)
+        shown = cli(env, "dlq", "requeue", "--task", "charge_card", "--trust-dlq-body", "--dry-run")
+        assert shown.returncode == 0, shown.stderr
+        assert "rebuilt from DLQ bodies nothing could verify" in " ".join(shown.stdout.split())
+        time.sleep(2)  # what a relay and worker would do with a rebuilt row, they had time to do
+        assert status_of(engine, charge.run_id) == "failed" and not _attacker_ran(engine)
+        assert len(receive_all(sqs, queues["critical-dlq"], expect=2, timeout=10)) == 2  # left in place
+    finally:
+        worker.kill()
+
+
+def test_dlq_requeue_with_signing_uses_only_the_signed_body(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+) -> None:
+    """With signing keys the worker keeps the relay's signature on the DLQ copy; requeue
+    rebuilds the purged row from that copy only, and the run runs again with its own payload."""
+    env = service_env(settings, sqs_endpoint, SQLA_OUTBOX_SIGNING_KEYS=KEY)
+    worker = start_worker(
+        settings,
+        sqs_endpoint,
+        SQLA_OUTBOX_WORKER_RUN_RELAY="true",
+        SQLA_OUTBOX_SIGNING_KEYS=KEY,
+        SQLA_OUTBOX_WORKER_MAX_RECEIVES="1",
+    )
+    try:
+        worker.wait_for_action("worker.started")
+        with app() as session, session.begin():
+            charge = Dispatch("charge_card", {"mode": "fail_times", "times": 1, "to": "shop"}, tenant_id=3)
+            session.add(charge)
+        wait_for(lambda: run_row(engine, charge.run_id).dead_lettered_at is not None, timeout=30)
+        [genuine] = receive_all(sqs, queues["critical-dlq"], expect=1, timeout=10, visibility=0)
+        signature = genuine["MessageAttributes"]["signature"]["StringValue"]
+        assert envelope.signature_valid(genuine["Body"], signature, [KEY])
+        with engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM outbox_messages WHERE run_id = :r"), {"r": charge.run_id})
+        _forge(sqs, queues["critical-dlq"], genuine, reason="permanent-error")
+        _forge(sqs, queues["critical-dlq"], genuine, reason="permanent-error", signature="0" * 64)
+
+        report = cli_json(env, "dlq", "requeue", "--task", "charge_card")
+        [requeued] = [item for item in report["items"] if item["action"] == "requeued"]
+        assert (requeued["outbox"], requeued["body_origin"], requeued["dlq_deleted"]) == (
+            "recreated",
+            "verified",
+            1,
+        )
+        assert sorted(item["reason"] for item in report["items"] if item["action"] == "skipped") == [
+            "unverified",
+            "unverified",
+        ]
+        wait_for(lambda: status_of(engine, charge.run_id) == "succeeded", timeout=30)
+        assert [effect.note for effect in effects(engine, charge.run_id)] == ["fail_times"]
+        left = cli_json(env, "dlq", "list", "--task", "charge_card")["letters"]
+        assert [letter["origin"] for letter in left] == ["unverified", "unverified"]
+        assert not _attacker_ran(engine)
+    finally:
+        worker.kill()
+
+
+# --- copies that bend the rules (issue 12 (4)) ------------------------------------------------
+
+
+def test_an_early_copy_of_a_delayed_run_never_runs_it_before_its_due_time(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+) -> None:
+    """Without signing, an exact copy of a delayed run's message ran it at once. Now a copy
+    due within a minute waits in the queue until the due time (the run then runs once);
+    a copy due later is deleted while the relay still holds the run's own message, and
+    waits until the due time when the row was already sent. No attempt is spent."""
+    worker = start_worker(settings, sqs_endpoint, SQLA_OUTBOX_WORKER_RUN_RELAY="true")
+    try:
+        worker.wait_for_action("worker.started")
+        with app() as session, session.begin():
+            soon = Dispatch("audit", {"mode": "ok"}, delay=dt.timedelta(seconds=6))
+            later = Dispatch("audit", {"mode": "ok", "n": 2}, delay=dt.timedelta(hours=1))
+            sent = Dispatch("audit", {"mode": "ok", "n": 3}, delay=dt.timedelta(hours=1))
+            session.add_all([soon, later, sent])
+        with engine.begin() as conn:  # as if the relay had sent it (a clock that stepped back)
+            conn.execute(
+                sa.text("UPDATE platform_outbox_messages SET sent_at = clock_timestamp() WHERE run_id = :r"),
+                {"r": sent.run_id},
+            )
+        for run in (soon, later, sent):
+            body = json.dumps(envelope_of(engine, run.run_id), separators=(",", ":"))
+            sqs.send_message(QueueUrl=queues["default"], MessageBody=body)
+        deleted = worker.wait_for_action("worker.early_copy")
+        worker.wait_for_action("worker.not_due", count=2)
+        hidden = {entry["run_id"]: entry["hide_s"] for entry in worker.actions("worker.not_due")}
+        assert deleted["run_id"] == str(later.run_id)
+        assert 1 <= hidden[str(soon.run_id)] <= 7 and hidden[str(sent.run_id)] > 3000
+        assert [run_row(engine, r.run_id).attempts for r in (soon, later, sent)] == [0, 0, 0]
+        assert effects(engine) == []
+        wait_for(lambda: status_of(engine, soon.run_id) == "succeeded", timeout=30)
+        run = run_row(engine, soon.run_id)
+        assert run.started_at >= run.available_at and run.attempts == 1
+        time.sleep(2)  # the copy, due too, comes back beside the relay's own message
+        assert len(effects(engine, soon.run_id)) == 1
+        assert [status_of(engine, r.run_id) for r in (later, sent)] == ["queued", "queued"]
+    finally:
+        worker.kill()
+
+
+def test_a_copy_sent_to_another_queue_is_refused_there(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+) -> None:
+    """Without signing, a copy sent to another queue ran there, under that queue's
+    visibility timeout. Now it is dead-lettered there as ``wrong-queue``, unexecuted."""
+    worker = start_worker(settings, sqs_endpoint, SQLA_OUTBOX_WORKER_RUN_RELAY="true")
+    try:
+        worker.wait_for_action("worker.started")
+        with app() as session, session.begin():
+            done = Dispatch("audit", {"mode": "ok"})
+            session.add(done)
+        wait_for(lambda: status_of(engine, done.run_id) == "succeeded", timeout=20)
+        with engine.begin() as conn:  # a queued run whose message is already out (a retry, say)
+            conn.execute(
+                sa.text("UPDATE task_runs SET status = 'queued', finished_at = NULL WHERE run_id = :r"),
+                {"r": done.run_id},
+            )
+        body = json.dumps(envelope_of(engine, done.run_id), separators=(",", ":"))
+        sqs.send_message(QueueUrl=queues["bulk"], MessageBody=body)
+        [letter] = receive_all(sqs, queues["bulk-dlq"], expect=1, timeout=30)
+        assert letter["MessageAttributes"]["reason"]["StringValue"] == "wrong-queue"
+        assert (status_of(engine, done.run_id), len(effects(engine, done.run_id))) == ("queued", 1)
+    finally:
+        worker.kill()
+
+
+# --- what reaches an operator's terminal (issue 12 (5)) ----------------------------------------
+
+
+def test_dlq_list_shows_attacker_attributes_escaped(
+    settings: OutboxSettings, sqs_endpoint: str, sqs: Any, queues: dict[str, str]
+) -> None:
+    """Attributes come from whoever wrote to the DLQ: escape sequences, a bidi override and
+    C1 controls are shown as visible escapes, never sent to the terminal."""
+    sqs.send_message(
+        QueueUrl=queues["default-dlq"],
+        MessageBody="{}",
+        MessageAttributes={
+            "run_id": {"DataType": "String", "StringValue": str(uuid.uuid4())},
+            "task": {"DataType": "String", "StringValue": "\x1b]0;pwned\x07\x1b[2Jaudit"},
+            "reason": {"DataType": "String", "StringValue": "permanent\u202eerror"},
+            "error_type": {"DataType": "String", "StringValue": "Value\u0085Error\u200b"},
+        },
+    )
+    env = service_env(settings, sqs_endpoint, COLUMNS="300")
+    shown = cli(env, "dlq", "list")
+    assert shown.returncode == 0, shown.stderr
+    assert not any(char in shown.stdout for char in "\x1b\x07\u202e\u0085\u200b")
+    text = "".join(shown.stdout.split())
+    assert "\\x1b]0;pwned\\x07\\x1b[2Jaudit" in text
+    assert "permanent\\u202eerror" in text and "Value\\x85Error\\u200b" in text

@@ -63,6 +63,7 @@ LETTER_KEYS = {
     "failed_at",
     "age_seconds",
     "run_status",
+    "origin",
 }
 
 
@@ -295,7 +296,7 @@ def test_dlq_list_prints_metadata_and_never_payloads(
         "ValueError",
         "failed",
     )
-    assert by_queue["default"]["run_id"] is None and by_queue["default"]["reason"] == "sqs-redrive"
+    assert by_queue["default"]["run_id"] is None and by_queue["default"]["reason"] == "no-reason"
     assert cli_json(env, "dlq", "list", "--task", "charge_card")["letters"][0]["run_id"] == str(run_id)
     assert cli_json(env, "dlq", "list", "--queue", "bulk")["letters"] == []
     assert cli_json(env, "dlq", "list", "--older-than", "1h")["letters"] == []
@@ -329,7 +330,15 @@ def test_dlq_requeue_guardrails_dry_run_and_json_shape(
     assert unfiltered.returncode == 2 and "--all" in unfiltered.stderr
 
     dry = cli_json(env, "dlq", "requeue", "--all", "--dry-run")
-    assert set(dry) == {"dry_run", "items", "woke", "missing_queues", "requeued", "skipped"}
+    assert set(dry) == {
+        "dry_run",
+        "items",
+        "woke",
+        "missing_queues",
+        "requeued",
+        "skipped",
+        "rebuilt_unchecked",
+    }
     assert (dry["dry_run"], dry["requeued"], dry["skipped"], dry["woke"]) == (True, 1, 2, False)
     items = {i["run_id"]: i for i in dry["items"]}
     assert set(items[str(fixable)]) == {
@@ -342,6 +351,7 @@ def test_dlq_requeue_guardrails_dry_run_and_json_shape(
         "detail",
         "source",
         "outbox",
+        "body_origin",
         "dlq_message_ids",
         "dlq_deleted",
     }

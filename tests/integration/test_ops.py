@@ -311,7 +311,7 @@ def test_list_dead_letters_shows_metadata_never_payloads_and_leaves_the_messages
     fail_into_dlq(engine, sqs, ops_settings, "critical", {charge})
     sqs.send_message(QueueUrl=queues["bulk-dlq"], MessageBody="not json " + SECRET)
     ghost = uuid.uuid4()
-    sqs.send_message(  # what the SQS redrive moves: original attributes only, no verdict
+    sqs.send_message(  # what the SQS redrive moves (original attributes only, no verdict), or a forgery
         QueueUrl=queues["bulk-dlq"],
         MessageBody=json.dumps({"v": 1, "run_id": str(ghost), "task": "index_user", "payload": SECRET}),
         MessageAttributes=envelope.message_attributes(ghost, "index_user", 9),
@@ -341,15 +341,16 @@ def test_list_dead_letters_shows_metadata_never_payloads_and_leaves_the_messages
         "failed_at": None,
         "age_seconds": None,
         "run_status": "failed",
+        "origin": "unchecked",
     }
     assert by_run[audit].age_seconds == pytest.approx(7200, abs=60)
     assert (by_run[audit].tenant_id, by_run[audit].run_status) == (None, "failed")
     assert (by_run[ghost].reason, by_run[ghost].tenant_id, by_run[ghost].run_status) == (
-        dlq.REDRIVE_REASON,
+        dlq.NO_REASON,
         9,
         None,
     )
-    assert (by_run[None].task, by_run[None].reason) == (None, dlq.REDRIVE_REASON)
+    assert (by_run[None].task, by_run[None].reason) == (None, dlq.NO_REASON)
     assert SECRET not in repr(listing) and SECRET not in json.dumps(dataclasses.asdict(listing), default=str)
 
     def select(**filters: Any) -> set[uuid.UUID | None]:
@@ -441,7 +442,12 @@ def test_dry_run_reports_the_same_decisions_and_changes_nothing(
     valkey.delete(ops_settings.wake_key)
 
     report = requeue.requeue(
-        engine, sqs, ops_settings, dlq.DeadLetterFilter(queues=("default",)), dry_run=True
+        engine,
+        sqs,
+        ops_settings,
+        dlq.DeadLetterFilter(queues=("default",)),
+        dry_run=True,
+        trust_dlq_body=True,
     )
 
     assert report.dry_run and report.requeued == 2 and not report.woke
@@ -542,18 +548,27 @@ def test_a_purged_outbox_row_is_recreated_from_the_dlq_envelope(
     execute(engine, "DELETE FROM platform_outbox_messages")
 
     report = requeue.requeue(
-        engine, sqs, ops_settings, dlq.DeadLetterFilter(queues=("default", "maintenance")), waker=waker
+        engine,
+        sqs,
+        ops_settings,
+        dlq.DeadLetterFilter(queues=("default", "maintenance")),
+        waker=waker,
+        trust_dlq_body=True,  # no signing keys here: the unverifiable bodies are trusted on request
     )
 
     assert {(i.run_id, i.action, i.outbox) for i in report.items} == {
         (tenant_run, "requeued", "recreated"),
         (platform_run, "requeued", "recreated"),
     }
+    assert report.rebuilt_unchecked == 2 and {i.body_origin for i in report.items} == {"unchecked"}
     for run_id, kind, queue in ((tenant_run, "tenant", "default"), (platform_run, "platform", "maintenance")):
         row = outbox_row(engine, run_id)
         assert (row.kind, row.queue, row.sent_at, row.attempts) == (kind, queue, None, 0)
         assert row.envelope == originals[run_id]
-        assert trail(engine, run_id)[-1].detail["outbox"] == "recreated"
+        assert (trail(engine, run_id)[-1].detail["outbox"], trail(engine, run_id)[-1].detail["body"]) == (
+            "recreated",
+            "unchecked",
+        )
     with engine.connect() as conn:
         tenant = conn.execute(sa.text("SELECT tenant_id FROM outbox_messages")).scalar_one()
     assert tenant == 6
@@ -679,7 +694,12 @@ def test_messages_the_worker_refused_unexecuted_are_never_requeued(
         )
 
     report = requeue.requeue(
-        engine, sqs, ops_settings, dlq.DeadLetterFilter(run_ids=frozenset({run_id})), waker=waker
+        engine,
+        sqs,
+        ops_settings,
+        dlq.DeadLetterFilter(run_ids=frozenset({run_id})),
+        waker=waker,
+        trust_dlq_body=True,
     )
 
     requeued = [i for i in report.items if i.selected]
@@ -747,3 +767,334 @@ def test_a_late_dead_letter_record_only_marks_a_run_that_is_still_failed(
     record_dlq(failed)  # a second record of the same DLQ send adds nothing
     assert run_row(engine, failed).dead_lettered_at is not None
     assert len(dead_letter_trail(failed)) == 1
+
+
+# --- what a DLQ message is trusted for (docs/security.md) -----------------------------------
+
+ATTACKER = {"amount": 1_000_000, "to": "attacker"}
+SIGNING_KEY = "dlq-test-signing-key-0123456789"
+
+
+def forge_dlq_message(
+    sqs: Any, url: str, genuine_body: str, *, reason: str | None, signature: str | None = None
+) -> dict[str, Any]:
+    """What anyone with SendMessage on the DLQ can write: the genuine envelope with the
+    attacker's payload, the run's attributes, optionally a verdict and a signature."""
+    document = {**json.loads(genuine_body), "payload": json.dumps(ATTACKER)}
+    attributes = envelope.message_attributes(document["run_id"], document["task"], document["tenant_id"])
+    if reason is not None:
+        attributes["reason"] = {"DataType": "String", "StringValue": reason}
+    if signature is not None:
+        attributes["signature"] = {"DataType": "String", "StringValue": signature}
+    sqs.send_message(QueueUrl=url, MessageBody=json.dumps(document), MessageAttributes=attributes)
+    return document
+
+
+def dlq_bodies(sqs: Any, url: str, expect: int) -> list[dict[str, Any]]:
+    return [json.loads(m["Body"]) for m in visible_messages(sqs, url, expect=expect)]
+
+
+def dlq_message_gone(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    sqs: Any,
+    settings: OutboxSettings,
+    relay: Relay,
+    queue: str,
+    task: str,
+    payload: dict[str, Any],
+    **options: Any,
+) -> tuple[uuid.UUID, dict[str, Any]]:
+    """A run that failed into ``queue``'s DLQ, whose DLQ message is then gone (expired,
+    deleted by hand); returns the run and its genuine DLQ message as it was."""
+    run_id = dispatch(app, task, payload, **options)
+    relay.run_once()
+    [genuine] = fail_into_dlq(engine, sqs, settings, queue, {run_id}).values()
+    sqs.purge_queue(QueueUrl=QueueDirectory(sqs, settings).dlq_url(queue))
+    return run_id, genuine
+
+
+def test_without_signing_a_purged_row_is_never_rebuilt_from_a_dlq_body_by_default(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+    waker: Waker,
+) -> None:
+    """Issue 12 (1): a forged DLQ message naming a failed, purged charge run. Before, a
+    routine ``dlq requeue --task`` rebuilt the row from it and the relay signed and sent it."""
+    run_id, genuine = dlq_message_gone(
+        app,
+        engine,
+        sqs,
+        ops_settings,
+        relay,
+        "critical",
+        "charge_card",
+        {"amount": 10, "to": "shop"},
+        tenant_id=3,
+    )
+    execute(engine, "DELETE FROM outbox_messages WHERE run_id = :r", r=run_id)  # purged
+    forge_dlq_message(sqs, queues["critical-dlq"], genuine["Body"], reason=None)  # straight into the DLQ
+    forge_dlq_message(sqs, queues["critical-dlq"], genuine["Body"], reason="permanent-error")
+
+    report = requeue.requeue(
+        engine, sqs, ops_settings, dlq.DeadLetterFilter(tasks=("charge_card",)), waker=waker
+    )
+
+    assert report.requeued == 0
+    assert sorted((i.reason, i.run_id) for i in report.items) == [
+        ("no-reason", run_id),
+        ("unverifiable-body", run_id),
+    ]
+    assert run_row(engine, run_id).status == "failed" and outbox_row(engine, run_id) is None
+    assert len(visible_messages(sqs, queues["critical-dlq"], expect=2)) == 2  # both left in place
+
+
+def test_without_signing_trusted_bodies_need_every_copy_to_agree_whatever_the_order(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+    waker: Waker,
+) -> None:
+    """``--trust-dlq-body``: a forged copy beside the genuine one, sent before it or after
+    it (SQS does not guarantee an order), blocks the rebuild instead of winning it."""
+    forged_first = dispatch(app, "charge_card", {"amount": 10}, tenant_id=3)
+    forged_last = dispatch(app, "charge_card", {"amount": 20}, tenant_id=4)
+    alone = dispatch(app, "charge_card", {"amount": 30}, tenant_id=5)
+    relay.run_once()
+    messages = fail_into_dlq(engine, sqs, ops_settings, "critical", {forged_first, forged_last, alone})
+    sqs.purge_queue(QueueUrl=queues["critical-dlq"])
+    execute(engine, "DELETE FROM outbox_messages")
+    url = queues["critical-dlq"]
+    for run_id in (forged_first, forged_last, alone):
+        genuine = messages[run_id]
+        attributes = {**genuine["MessageAttributes"], "reason": {"DataType": "String", "StringValue": "x"}}
+        if run_id == forged_first:
+            forge_dlq_message(sqs, url, genuine["Body"], reason="permanent-error")
+        sqs.send_message(QueueUrl=url, MessageBody=genuine["Body"], MessageAttributes=attributes)
+        if run_id == forged_last:
+            forge_dlq_message(sqs, url, genuine["Body"], reason="permanent-error")
+
+    report = requeue.requeue(
+        engine,
+        sqs,
+        ops_settings,
+        dlq.DeadLetterFilter(queues=("critical",)),
+        waker=waker,
+        trust_dlq_body=True,
+    )
+
+    items = {i.run_id: i for i in report.items}
+    assert (items[forged_first].reason, items[forged_last].reason) == ("conflicting-copies",) * 2
+    assert (items[alone].action, items[alone].outbox, items[alone].body_origin) == (
+        "requeued",
+        "recreated",
+        "unchecked",
+    )
+    assert report.rebuilt_unchecked == 1
+    assert outbox_row(engine, forged_first) is None and outbox_row(engine, forged_last) is None
+    assert json.loads(outbox_row(engine, alone).envelope["payload"]) == {"amount": 30}
+    assert len(visible_messages(sqs, url, expect=4)) == 4  # the conflicting copies stay
+
+
+def test_a_message_without_a_worker_verdict_is_only_requeued_on_request(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+    waker: Waker,
+) -> None:
+    """No ``reason`` attribute: moved by the redrive policy or put straight into the DLQ; the
+    two look alike, so neither is requeued unless asked (the outbox row is still the truth)."""
+    run_id, genuine = dlq_message_gone(app, engine, sqs, ops_settings, relay, "default", "audit", {"n": 1})
+    sqs.send_message(
+        QueueUrl=queues["default-dlq"],
+        MessageBody=genuine["Body"],
+        MessageAttributes=envelope.message_attributes(run_id, "audit", None),
+    )
+
+    default = requeue.requeue(engine, sqs, ops_settings, dlq.DeadLetterFilter(tasks=("audit",)))
+    assert [(i.action, i.reason) for i in default.items] == [("skipped", "no-reason")]
+    assert run_row(engine, run_id).status == "failed"
+
+    asked = requeue.requeue(
+        engine, sqs, ops_settings, dlq.DeadLetterFilter(tasks=("audit",)), waker=waker, include_no_reason=True
+    )
+    assert [(i.action, i.outbox, i.dlq_deleted) for i in asked.items] == [("requeued", "reset", 1)]
+    assert run_row(engine, run_id).status == "queued"
+
+
+def test_with_signing_only_a_signed_dlq_body_is_used_and_forgeries_stay(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    waker: Waker,
+) -> None:
+    """The worker keeps the relay's signature when it dead-letters; requeue checks it and
+    rebuilds a purged row only from a body that carries it. Forged copies (no signature, a
+    wrong one, another run's signed body under this run's attributes) are never used."""
+    signed = ops_settings.replace(signing_keys=(SIGNING_KEY,))
+    relay = Relay(signed, engine=engine)
+    try:
+        run_id = dispatch(app, "charge_card", {"amount": 10, "to": "shop"}, tenant_id=3)
+        other = dispatch(app, "charge_card", {"amount": 99}, tenant_id=3)
+        relay.run_once()
+    finally:
+        relay.sender.close()
+    messages = fail_into_dlq(engine, sqs, signed, "critical", {run_id, other})
+    genuine = messages[run_id]
+    url = queues["critical-dlq"]
+    found = receive_all(sqs, url, expect=2, timeout=5, visibility=0)
+    assert len(found) == 2 and all(
+        envelope.signature_valid(m["Body"], m["MessageAttributes"]["signature"]["StringValue"], [SIGNING_KEY])
+        for m in found
+    )
+    assert all(len(m["MessageAttributes"]) <= 10 for m in found)
+    execute(engine, "DELETE FROM outbox_messages")
+    forge_dlq_message(sqs, url, genuine["Body"], reason="permanent-error")  # unsigned
+    forge_dlq_message(sqs, url, genuine["Body"], reason="permanent-error", signature="0" * 64)
+    other_signed = messages[other]
+    sqs.send_message(  # a genuine signed body of another run, relabelled as this run
+        QueueUrl=url,
+        MessageBody=other_signed["Body"],
+        MessageAttributes={
+            **envelope.message_attributes(run_id, "charge_card", 3),
+            "reason": {"DataType": "String", "StringValue": "permanent-error"},
+            "signature": other_signed["MessageAttributes"]["signature"],
+        },
+    )
+
+    report = requeue.requeue(
+        engine,
+        sqs,
+        signed,
+        dlq.DeadLetterFilter(run_ids=frozenset({run_id})),
+        waker=waker,
+        trust_dlq_body=True,
+    )
+
+    requeued = [i for i in report.items if i.selected]
+    assert [(i.run_id, i.outbox, i.body_origin, i.dlq_deleted) for i in requeued] == [
+        (run_id, "recreated", "verified", 1)
+    ]
+    assert sorted(i.reason for i in report.items if not i.selected) == ["unverified", "unverified"]
+    assert json.loads(outbox_row(engine, run_id).envelope["payload"]) == {"amount": 10, "to": "shop"}
+    assert trail(engine, run_id)[-1].detail["body"] == "verified"
+    # the relabelled body is the other run's (its signed body says so): not this run's copy
+    assert run_row(engine, other).status == "failed" and outbox_row(engine, other) is None
+    left = dlq_bodies(sqs, url, expect=3)
+    assert sum(1 for body in left if json.loads(body["payload"]) == ATTACKER) == 2
+
+
+def test_with_signing_a_run_whose_only_dlq_copy_is_forged_is_not_rebuilt(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    waker: Waker,
+) -> None:
+    """Issue 12 (1) with signing on: the genuine DLQ message is gone and a forged one names
+    the run. Before, requeue rebuilt the row from it and the relay signed it with the real key."""
+    signed = ops_settings.replace(signing_keys=(SIGNING_KEY,))
+    relay = Relay(signed, engine=engine)
+    try:
+        run_id, genuine = dlq_message_gone(
+            app,
+            engine,
+            sqs,
+            signed,
+            relay,
+            "critical",
+            "charge_card",
+            {"amount": 10, "to": "shop"},
+            tenant_id=3,
+        )
+        execute(engine, "DELETE FROM outbox_messages WHERE run_id = :r", r=run_id)
+        forge_dlq_message(sqs, queues["critical-dlq"], genuine["Body"], reason="permanent-error")
+
+        report = requeue.requeue(
+            engine,
+            sqs,
+            signed,
+            dlq.DeadLetterFilter(tasks=("charge_card",), run_ids=frozenset({run_id})),
+            waker=waker,
+        )
+
+        assert [(i.source, i.reason) for i in report.items] == [
+            ("dlq", "unverified"),
+            ("database", "no-envelope"),
+        ]
+        assert run_row(engine, run_id).status == "failed" and outbox_row(engine, run_id) is None
+        assert relay.run_once().claimed == 0
+    finally:
+        relay.sender.close()
+
+
+def test_a_copy_found_in_another_queues_dlq_is_never_acted_on(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+    waker: Waker,
+) -> None:
+    """A run's own DLQ message is in its own queue's DLQ; a copy in another DLQ is not."""
+    run_id, genuine = dlq_message_gone(app, engine, sqs, ops_settings, relay, "default", "audit", {"n": 1})
+    sqs.send_message(
+        QueueUrl=queues["bulk-dlq"],
+        MessageBody=genuine["Body"],
+        MessageAttributes={
+            **genuine["MessageAttributes"],
+            "reason": {"DataType": "String", "StringValue": "permanent-error"},
+        },
+    )
+
+    report = requeue.requeue(engine, sqs, ops_settings, dlq.DeadLetterFilter(tasks=("audit",)), waker=waker)
+
+    [item] = report.items
+    assert (item.action, item.reason) == ("skipped", "foreign-message")
+    assert "found in the bulk DLQ" in (item.detail or "")
+    assert run_row(engine, run_id).status == "failed"
+
+
+def test_a_requeue_holds_at_most_one_body_per_run_whatever_the_dlq_holds(
+    engine: sa.Engine, ops_settings: OutboxSettings, sqs: Any, queues: dict[str, str]
+) -> None:
+    """A DLQ filled with 20 MB of bodies naming runs (here, none that exist) is read whole
+    before any run is decided; the scan keeps receipt handles and digests, not bodies, so
+    memory holds about one received batch (before: every body, 23 MiB traced)."""
+    import tracemalloc
+
+    body = json.dumps({"v": 1, "pad": "x" * 200_000})
+    count = 100
+    for _ in range(count):
+        sqs.send_message(
+            QueueUrl=queues["default-dlq"],
+            MessageBody=body,
+            MessageAttributes={
+                **envelope.message_attributes(uuid.uuid4(), "audit", None),
+                "reason": {"DataType": "String", "StringValue": "permanent-error"},
+            },
+        )
+    tracemalloc.start()
+    try:
+        report = requeue.requeue(
+            engine, sqs, ops_settings, dlq.DeadLetterFilter(queues=("default",)), trust_dlq_body=True
+        )
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [i.reason for i in report.items] == ["unknown-run"] * count
+    assert peak < 12 * 2**20, f"{peak / 2**20:.1f} MiB traced"

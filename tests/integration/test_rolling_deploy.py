@@ -132,6 +132,26 @@ def test_a_purged_outbox_row_is_put_back_from_the_received_envelope(
     assert row.envelope == json.loads(env.encode())
 
 
+def test_a_deferral_never_makes_a_delayed_run_due_earlier(
+    app: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """An early copy of a delayed run (forged, or a stale duplicate) handed to a worker that
+    defers it, whether the outbox row is still there or was purged, keeps the run's due time."""
+    run_id = dispatch(app, "send_welcome", tenant_id=2, delay=dt.timedelta(hours=1))
+    env = received_document(engine, run_id)
+    due = run_row(engine, run_id).available_at
+    with engine.begin() as conn:  # as if the relay had sent it (say, after a hold)
+        conn.execute(sa.text("UPDATE outbox_messages SET sent_at = clock_timestamp()"))
+    assert defer(engine, env, delay_seconds=0.0).status is DeferStatus.DEFERRED
+    [row] = outbox_rows(engine)
+    assert row.sent_at is None and row.available_at == due
+    with engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM outbox_messages"))
+    assert defer(engine, env, delay_seconds=0.0, reason="worker-stopping").status is DeferStatus.DEFERRED
+    [row] = outbox_rows(engine)
+    assert row.available_at == due
+
+
 def test_runs_that_are_not_ours_or_not_waiting_are_not_deferred(
     app: sessionmaker[Session], engine: sa.Engine
 ) -> None:
