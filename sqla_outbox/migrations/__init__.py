@@ -43,6 +43,12 @@ _NONE = {"", "none", "null", "off"}
 OUTBOX_TABLES = ("outbox_messages", "platform_outbox_messages", "task_runs", "task_run_trail")
 """The tables the migrations create (the version table aside)."""
 
+CONCURRENT_INDEX_MIN_ROWS = 100_000
+"""A revision that adds an index to a table at least this large (planner estimate,
+``pg_class.reltuples``) builds it with ``CREATE INDEX CONCURRENTLY``, so dispatches are not
+blocked while it runs (PostgreSQL: a plain ``CREATE INDEX`` holds a SHARE lock that blocks
+writes to the table until the build ends)."""
+
 
 def tenant_foreign_key() -> str | None:
     """The FK target for ``outbox_messages.tenant_id`` while a migration runs.
@@ -198,7 +204,7 @@ def current_revisions(target: Any) -> tuple[str, ...]:
 
 
 def head_revisions() -> tuple[str, ...]:
-    """The head revisions of the bundled migrations, sorted (``("sqlaob_0001",)`` today)."""
+    """The head revisions of the bundled migrations, sorted (one head: the revisions form a single chain)."""
     from alembic.script import ScriptDirectory
 
     return tuple(sorted(ScriptDirectory.from_config(alembic_config()).get_heads()))

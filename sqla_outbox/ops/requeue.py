@@ -275,6 +275,7 @@ def requeue_run(
     source: str,
     trail_detail: dict[str, Any],
     filters: DeadLetterFilter | None = None,
+    operator: str | None = None,
 ) -> RequeueItem:
     """Apply the guardrails and the requeue statements for one run, in the caller's
     transaction (the caller commits, or rolls back for a dry run).
@@ -287,6 +288,9 @@ def requeue_run(
         source: ``dlq`` or ``database`` (recorded in the item and the trail).
         trail_detail: Extra keys for the trail row's detail.
         filters: For database-only requeues, the task/queue/age filters to honour.
+        operator: Who asked, recorded as the trail row's ``worker_id`` (default
+            :func:`operator_id`: ``operator:<user>@<host>``; the dashboard passes
+            ``dashboard:<name>``).
 
     Returns:
         The :class:`RequeueItem`, ``action`` ``requeued`` or ``skipped``.
@@ -341,7 +345,7 @@ def requeue_run(
             {
                 "run_id": run_id,
                 "attempt": run.attempts,
-                "worker": operator_id(),
+                "worker": operator or operator_id(),
                 "detail": json.dumps(detail),
             },
         )
@@ -373,6 +377,7 @@ def _requeue_one(
     source: str,
     trail_detail: dict[str, Any],
     filters: DeadLetterFilter | None = None,
+    operator: str | None = None,
 ) -> RequeueItem:
     with engine.connect() as connection:
         transaction = connection.begin()
@@ -385,6 +390,7 @@ def _requeue_one(
                 source=source,
                 trail_detail=trail_detail,
                 filters=filters,
+                operator=operator,
             )
         except BaseException:
             transaction.rollback()
@@ -419,6 +425,7 @@ def requeue(
     waker: Waker | None = None,
     visibility_seconds: int = REQUEUE_VISIBILITY_SECONDS,
     max_messages: int = 10_000,
+    operator: str | None = None,
 ) -> RequeueReport:
     """Requeue the failed runs whose DLQ messages match ``filters`` (see the module docstring).
 
@@ -432,6 +439,8 @@ def requeue(
         waker: Pushes the wake after each committed batch; None: rely on the sweep.
         visibility_seconds: How long scanned DLQ messages stay hidden.
         max_messages: Most DLQ messages received per queue.
+        operator: Who asked, recorded in each requeued run's trail row (``worker_id``);
+            default :func:`operator_id`.
 
     Returns:
         A :class:`RequeueReport`.
@@ -456,7 +465,9 @@ def requeue(
                 client, directory, queue, visibility_seconds=visibility_seconds, max_messages=max_messages
             ) as scan:
                 for batch in scan.batches():
-                    _requeue_batch(engine, settings, scan, batch, filters, report, by_run, dry_run, waker)
+                    _requeue_batch(
+                        engine, settings, scan, batch, filters, report, by_run, dry_run, waker, operator
+                    )
         except Exception as exc:
             if not is_missing_queue(exc):
                 raise
@@ -472,6 +483,7 @@ def requeue(
             source="database",
             trail_detail={},
             filters=filters,
+            operator=operator,
         )
         by_run[run_id] = item
         report.items.append(item)
@@ -493,6 +505,7 @@ def _requeue_batch(
     by_run: dict[uuid.UUID, RequeueItem],
     dry_run: bool,
     waker: Waker | None,
+    operator: str | None,
 ) -> None:
     to_delete: list[tuple[Received, RequeueItem]] = []
     for received in batch:
@@ -542,6 +555,7 @@ def _requeue_batch(
                     "dlq_message_id": letter.message_id,
                     "dlq_reason": letter.reason,
                 },
+                operator=operator,
             )
             by_run[letter.run_id] = item
             report.items.append(item)

@@ -60,6 +60,9 @@ def test_every_contract_is_kept() -> None:
         ("relay/claim.py", "import redis as _redis", "Only the wake module"),
         # a terminal library below the commands
         ("ops/status.py", "import rich as _rich", "Nothing below the commands"),
+        # the dashboard rendering for a terminal, or reaching up into the commands
+        ("dashboard/app.py", "import click as _click", "Nothing below the commands"),
+        ("dashboard/views.py", "from sqla_outbox.cli import options as _up", "Layers"),
     ],
 )
 def test_a_deliberate_break_fails_the_check(tmp_path: Path, module: str, added: str, broken: str) -> None:
