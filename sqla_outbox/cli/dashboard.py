@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import signal
 from typing import Any
 
 import click
@@ -64,7 +65,8 @@ def dashboard_command(verbose: int, log_format: str, traceback: bool, **options:
 
     Read-only unless --actions. The token and basic-auth credentials come from the
     environment only (SQLA_OUTBOX_DASHBOARD_TOKEN, SQLA_OUTBOX_DASHBOARD_BASIC_AUTH), never
-    from flags, which other users of the machine can read. Stops on SIGTERM or Ctrl-C.
+    from flags, which other users of the machine can read. Stops on SIGTERM or Ctrl-C
+    (exit 0) once the requests in progress are answered.
     """
     setup_logging(verbose, log_format)
     with handle_errors(traceback):
@@ -97,6 +99,10 @@ def dashboard_command(verbose: int, log_format: str, traceback: bool, **options:
             f"{'authentication: ' + auth if auth else 'no authentication: loopback only'})",
             err=True,
         )
+        # uvicorn stops on SIGTERM/SIGINT after the open requests, then raises the signal
+        # again under the handlers it found: make those a no-op, so the command exits 0
+        for stop_signal in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(stop_signal, lambda signum, frame: None)
         try:
             uvicorn.run(
                 app,

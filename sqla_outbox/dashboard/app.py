@@ -33,7 +33,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import Mount, Route, Router
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
@@ -210,13 +210,22 @@ class Pages:
         self.settings = dashboard.settings
         self.auth = dashboard.auth
         self.templates = _templates()
+        self.router: Router | None = None
 
     # --- rendering -------------------------------------------------------------------------
+    def path(self, request: Request, route: str, /, **params: Any) -> str:
+        """The path of the dashboard's ``route``, under the prefix it is mounted at
+        (``root_path``). Resolved in the dashboard's own routes, so a mounting
+        application's routes of the same name never shadow them."""
+        assert self.router is not None
+        root = str(request.scope.get("root_path", "")).rstrip("/")
+        return root + str(self.router.url_path_for(route, **params))
+
     def render(
         self, request: Request, template: str, identity: Identity, status_code: int = 200, **context: Any
     ) -> Response:
-        def url(name: str, query: dict[str, Any] | None = None, **path: Any) -> str:
-            base = str(request.url_for(name, **path).path)
+        def url(route: str, query: dict[str, Any] | None = None, /, **path: Any) -> str:
+            base = self.path(request, route, **path)
             kept = {k: v for k, v in (query or {}).items() if v not in (None, "")}
             return f"{base}?{urlencode(kept)}" if kept else base
 
@@ -428,7 +437,7 @@ class Pages:
 
     # --- login --------------------------------------------------------------------------------
     async def login(self, request: Request) -> Response:
-        home = str(request.url_for("overview").path)
+        home = self.path(request, "overview")
         if not self.auth.uses_login_page:
             return RedirectResponse(home, status_code=303)
         target = _safe_next(request.query_params.get("next"), home)
@@ -451,7 +460,7 @@ class Pages:
         form = _form_values((await request.form()).multi_items())
         self.auth.check_csrf(request, next(iter(form.get("csrf_token", [])), None))
         self.auth.log_out(request)
-        return RedirectResponse(str(request.url_for("login").path), status_code=303)
+        return RedirectResponse(self.path(request, "login"), status_code=303)
 
     # --- actions ------------------------------------------------------------------------------
     async def _action_request(self, request: Request) -> tuple[Identity, Action, dict[str, list[str]], Any]:
@@ -529,12 +538,12 @@ class Pages:
     async def unauthenticated(self, request: Request, exc: Exception) -> Response:
         htmx = request.headers.get("hx-request") == "true"
         if self.auth.uses_login_page and request.method == "GET" and not htmx:
-            login = str(request.url_for("login").path)
+            login = self.path(request, "login")
             target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             return RedirectResponse(f"{login}?{urlencode({'next': target})}", status_code=303)
         headers = {"WWW-Authenticate": 'Basic realm="sqla_outbox dashboard"'} if self.auth.basic else {}
         if htmx and self.auth.uses_login_page:
-            headers["HX-Redirect"] = str(request.url_for("login").path)
+            headers["HX-Redirect"] = self.path(request, "login")
         return PlainTextResponse("authentication required\n", status_code=401, headers=headers)
 
     async def forbidden(self, request: Request, exc: Exception) -> Response:
@@ -659,6 +668,7 @@ def create_app(
         },
     )
     app.state.dashboard = dashboard
+    pages.router = app.router
     return app
 
 

@@ -11,11 +11,12 @@ of them:
   name recorded for their actions.
 
 Secrets are compared in constant time (:func:`hmac.compare_digest`). Without either
-setting the dashboard has no authentication of its own: that is for an application that
-mounts it behind its own (the operator's name then comes from the ``identify`` hook, or
-from ``request.scope["user"]`` set by Starlette's ``AuthenticationMiddleware``), and for
-``python -m sqla_outbox dashboard`` on a loopback address. An anonymous viewer can read
-but never act: an action needs a name to record.
+setting the dashboard has no authentication of its own. An application that mounts it
+behind its own passes an ``identify`` hook: it returns the operator's name for a request
+(from ``request.scope["user"]``, its session, ...) or None, which refuses the request
+(401). Without a hook either, every viewer is anonymous: that is for ``python -m
+sqla_outbox dashboard`` on a loopback address. An anonymous viewer can read but never
+act: an action needs a name to record.
 
 **Sessions** are Starlette's signed cookies (``SessionMiddleware``, itsdangerous), named
 ``sqla_outbox_dashboard``, ``SameSite=Strict``, HTTP-only. Their signing key is the
@@ -115,8 +116,9 @@ class Auth:
 
     Args:
         settings: ``dashboard_token`` and ``dashboard_basic_auth``.
-        identify: Host application's hook naming the operator, used only when the
-            settings configure no authentication of the dashboard's own.
+        identify: Host application's hook naming the operator (None refuses the
+            request), used only when the settings configure no authentication of the
+            dashboard's own.
         secret_key: Session signing key; default derived from the credentials (see the
             module docstring).
     """
@@ -175,10 +177,9 @@ class Auth:
             raise Unauthenticated
         if self.identify is not None:
             name = self.identify(request)
-            return Identity(clean_name(name, "operator"), "host") if name else ANONYMOUS
-        user = request.scope.get("user")
-        if user is not None and getattr(user, "is_authenticated", False):
-            return Identity(clean_name(str(getattr(user, "display_name", "") or ""), "operator"), "host")
+            if not name:
+                raise Unauthenticated
+            return Identity(clean_name(name, "operator"), "host")
         return ANONYMOUS
 
     def log_in(self, request: Request, token: str, name: str) -> bool:
