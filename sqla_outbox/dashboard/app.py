@@ -13,6 +13,7 @@ are read-only (``default_transaction_read_only``) and bounded
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -51,7 +52,7 @@ from sqla_outbox.dashboard.actions import (
 from sqla_outbox.dashboard.auth import SESSION_COOKIE, Auth, Forbidden, Identify, Identity, Unauthenticated
 from sqla_outbox.dashboard.untrusted import visible
 from sqla_outbox.logging import log_extra
-from sqla_outbox.ops import dlq, requeue, runs, status
+from sqla_outbox.ops import dlq, requeue, runs
 from sqla_outbox.relay import scheduling_catalog
 from sqla_outbox.wakeup import Waker
 
@@ -130,7 +131,7 @@ class Dashboard:
                 from sqla_outbox.sqs.client import make_client
 
                 self._sqs = make_client(
-                    self.settings, max_pool_connections=4, read_timeout_seconds=15, max_attempts=2
+                    self.settings, max_pool_connections=8, read_timeout_seconds=15, max_attempts=2
                 )
             return self._sqs
 
@@ -248,30 +249,38 @@ class Pages:
     # --- overview --------------------------------------------------------------------------
     async def _overview(self) -> dict[str, Any]:
         read = self.dashboard.read
-        pending, tenants, statuses, activity = await asyncio.gather(
-            run_in_threadpool(read, status.pending_rows),
-            run_in_threadpool(read, queries.pending_by_tenant),
+        (pending, tenants), statuses, now = await asyncio.gather(
+            run_in_threadpool(read, queries.backlog),
             run_in_threadpool(read, queries.status_counts),
-            run_in_threadpool(read, lambda c: queries.activity(c, cache=self.dashboard.activity_cache)),
+            run_in_threadpool(read, queries.database_now),
         )
-        throughput, latency = views.activity_charts(activity)
-        return {
-            "pending": pending,
-            "tenants": tenants,
-            "statuses": statuses,
-            "activity": activity,
-            "throughput": throughput,
-            "latency": latency,
-            "now": activity.now,
-        }
+        return {"pending": pending, "tenants": tenants, "statuses": statuses, "now": now}
 
     async def overview(self, request: Request) -> Response:
+        """The overview: the numbers now; the charts follow as a fragment (``overview_charts``)
+        that the page loads at once, so the backlog shows without waiting for the hour's
+        history."""
         identity = self.auth.identity(request)
         return self.render(request, "overview.html", identity, **await self._overview())
 
     async def overview_live(self, request: Request) -> Response:
         identity = self.auth.identity(request)
         return self.render(request, "_overview_live.html", identity, **await self._overview())
+
+    async def overview_charts(self, request: Request) -> Response:
+        identity = self.auth.identity(request)
+        cache = self.dashboard.activity_cache
+        activity = await run_in_threadpool(self.dashboard.read, lambda c: queries.activity(c, cache=cache))
+        throughput, latency = views.activity_charts(activity)
+        return self.render(
+            request,
+            "_overview_charts.html",
+            identity,
+            activity=activity,
+            throughput=throughput,
+            latency=latency,
+            page="overview",
+        )
 
     # --- runs --------------------------------------------------------------------------------
     async def runs_list(self, request: Request) -> Response:
@@ -361,21 +370,19 @@ class Pages:
                 action=self.dashboard.actions.get("dlq-requeue"),
             )
         filters = dlq.DeadLetterFilter(tasks=query.tasks, queues=query.queues, older_than=query.older_than)
-
-        def reading(
-            connection: Connection,
-        ) -> tuple[dlq.DeadLetterListing, dict[uuid.UUID, queries.RunError]]:
-            listing = dlq.list_dead_letters(
-                self.dashboard.sqs(), self.settings, filters, connection=connection, limit=DLQ_LIST_LIMIT
-            )
-            ids = [x.run_id for x in listing.letters if x.run_id is not None]
-            return listing, queries.errors_of(connection, ids)
-
         sqs_error = None
         listing = None
         run_errors: dict[uuid.UUID, queries.RunError] = {}
         try:
-            listing, run_errors = await run_in_threadpool(self.dashboard.read, reading)
+            listing = await self._dead_letters(filters)
+            ids = [x.run_id for x in listing.letters if x.run_id is not None]
+            run_errors = await run_in_threadpool(self.dashboard.read, lambda c: queries.errors_of(c, ids))
+            listing.letters = [
+                dataclasses.replace(x, run_status=run_errors[x.run_id].status)
+                if x.run_id in run_errors
+                else x
+                for x in listing.letters
+            ]
         except sa.exc.DBAPIError:
             raise
         except Exception as exc:  # SQS (or its configuration): shown on the page, filters kept
@@ -408,6 +415,32 @@ class Pages:
             error=None,
             action=self.dashboard.actions.get("dlq-requeue"),
         )
+
+    async def _dead_letters(self, filters: dlq.DeadLetterFilter) -> dlq.DeadLetterListing:
+        """:func:`sqla_outbox.ops.dlq.list_dead_letters`, the four DLQs scanned at once (one
+        thread each: the page waits for the slowest queue, not for the sum of them)."""
+        sqs = await run_in_threadpool(self.dashboard.sqs)
+        parts = await asyncio.gather(
+            *(
+                run_in_threadpool(
+                    dlq.list_dead_letters,
+                    sqs,
+                    self.settings,
+                    dataclasses.replace(filters, queues=(queue,)),
+                    limit=DLQ_LIST_LIMIT,
+                )
+                for queue in filters.scanned_queues()
+            )
+        )
+        listing = dlq.DeadLetterListing(letters=[], scanned={}, missing_queues=[])
+        for part in parts:
+            listing.letters += part.letters
+            listing.scanned.update(part.scanned)
+            listing.missing_queues += part.missing_queues
+            listing.truncated = listing.truncated or part.truncated
+        if len(listing.letters) > DLQ_LIST_LIMIT:
+            listing.letters, listing.truncated = listing.letters[:DLQ_LIST_LIMIT], True
+        return listing
 
     # --- schedules, controls -----------------------------------------------------------------
     async def schedules_page(self, request: Request) -> Response:
@@ -635,6 +668,7 @@ def create_app(
     routes = [
         Route("/", pages.overview, name="overview"),
         Route("/overview/live", pages.overview_live, name="overview_live"),
+        Route("/overview/charts", pages.overview_charts, name="overview_charts"),
         Route("/runs", pages.runs_list, name="runs"),
         Route("/runs/{run_id}", pages.run_page, name="run"),
         Route("/dlq", pages.dlq_page, name="dlq"),

@@ -8,9 +8,9 @@ with a hundred (``benchmarks/bench_dashboard.py`` measures it; ``docs/benchmarks
   estimate from the planner statistics (``pg_stats`` most-common-value frequency times
   ``pg_class.reltuples``), marked as estimated. Counting a million rows exactly would
   take longer than the whole page may;
-* **pending rows by tenant** (:func:`pending_by_tenant`): the pending rows of
-  ``outbox_messages`` (partial index ``outbox_messages_pending_idx``), grouped by tenant;
-  the tenants whose oldest pending row is oldest come first;
+* **the backlog** (:func:`backlog`): pending outbox rows by table and queue, and by
+  tenant (the tenants whose oldest due row has waited longest first), from one pass over
+  the pending rows of each outbox table (partial index ``*_pending_idx``);
 * **the last hour per minute** (:func:`activity`): runs dispatched (``created_at``,
   ``task_runs_created_at_idx``), finished and failed (``finished_at``,
   ``task_runs_finished_idx``), and the commit → finish latency percentiles of the runs
@@ -40,6 +40,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
 
 from sqla_outbox.catalog import Catalog
+from sqla_outbox.ops.status import PendingRows
 from sqla_outbox.relay import schedule
 from sqla_outbox.types import RUN_STATUSES
 
@@ -148,51 +149,80 @@ class TenantBacklog:
 
 @dataclasses.dataclass(frozen=True)
 class TenantBacklogReport:
-    """:func:`pending_by_tenant`'s result: the ``limit`` most-behind tenants, and how many
+    """:func:`backlog`'s by-tenant part: the ``limit`` most-behind tenants, and how many
     tenants have pending rows at all."""
 
     tenants: list[TenantBacklog]
     tenant_count: int
 
 
-_BY_TENANT = text(
+_BACKLOG = text(
     """
-WITH now AS (SELECT clock_timestamp() AS t),
-per_tenant AS (
-    SELECT tenant_id, count(*) AS pending,
-           count(*) FILTER (WHERE available_at <= (SELECT t FROM now)) AS due,
-           min(created_at) AS oldest_created,
-           min(available_at) FILTER (WHERE available_at <= (SELECT t FROM now)) AS oldest_due
-    FROM outbox_messages WHERE sent_at IS NULL GROUP BY tenant_id
-)
-SELECT tenant_id, pending, due,
-       EXTRACT(EPOCH FROM (SELECT t FROM now) - oldest_created)::float8 AS oldest_age,
-       EXTRACT(EPOCH FROM (SELECT t FROM now) - oldest_due)::float8 AS due_age,
-       count(*) OVER () AS tenants
-FROM per_tenant
-ORDER BY oldest_due NULLS LAST, oldest_created, tenant_id
-LIMIT :limit
+WITH now AS MATERIALIZED (SELECT clock_timestamp() AS t)
+SELECT 'outbox_messages' AS tbl, queue, tenant_id, count(*) AS pending,
+       count(*) FILTER (WHERE available_at <= (SELECT t FROM now)) AS due,
+       EXTRACT(EPOCH FROM (SELECT t FROM now) - min(created_at))::float8 AS oldest_age,
+       EXTRACT(EPOCH FROM (SELECT t FROM now)
+           - min(available_at) FILTER (WHERE available_at <= (SELECT t FROM now)))::float8 AS due_age,
+       max(attempts) AS max_attempts
+FROM outbox_messages WHERE sent_at IS NULL GROUP BY queue, tenant_id
+UNION ALL
+SELECT 'platform_outbox_messages', queue, NULL, count(*),
+       count(*) FILTER (WHERE available_at <= (SELECT t FROM now)),
+       EXTRACT(EPOCH FROM (SELECT t FROM now) - min(created_at))::float8,
+       EXTRACT(EPOCH FROM (SELECT t FROM now)
+           - min(available_at) FILTER (WHERE available_at <= (SELECT t FROM now)))::float8,
+       max(attempts)
+FROM platform_outbox_messages WHERE sent_at IS NULL GROUP BY queue
 """
-).bindparams(bindparam("limit", type_=Integer))
+)
 
 
-def pending_by_tenant(connection: Connection, *, limit: int = TENANTS_SHOWN) -> TenantBacklogReport:
-    """The tenants with pending outbox rows, the most behind first (oldest due row, then
-    oldest pending row), at most ``limit``; platform rows have no tenant and are not here."""
-    rows = list(connection.execute(_BY_TENANT, {"limit": limit}))
-    return TenantBacklogReport(
-        tenants=[
-            TenantBacklog(
-                tenant_id=int(r.tenant_id),
-                pending=int(r.pending),
-                due=int(r.due),
-                oldest_pending_age_seconds=float(r.oldest_age),
-                oldest_due_age_seconds=None if r.due_age is None else float(r.due_age),
-            )
-            for r in rows
-        ],
-        tenant_count=int(rows[0].tenants) if rows else 0,
+def _oldest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def backlog(
+    connection: Connection, *, limit: int = TENANTS_SHOWN
+) -> tuple[list[PendingRows], TenantBacklogReport]:
+    """Pending outbox rows by table and queue (as :func:`sqla_outbox.ops.status.pending_rows`
+    reports them) and by tenant, from one pass over each table's pending rows.
+
+    Returns:
+        ``(rows by table and queue, sorted; the most-behind tenants, at most limit)``.
+        A tenant is more behind when its oldest due row waited longer, then when its
+        oldest pending row is older.
+    """
+    by_queue: dict[tuple[str, str], PendingRows] = {}
+    by_tenant: dict[int, TenantBacklog] = {}
+    for r in connection.execute(_BACKLOG):
+        key = (str(r.tbl), str(r.queue))
+        age, due_age = float(r.oldest_age), None if r.due_age is None else float(r.due_age)
+        seen = by_queue.get(key)
+        by_queue[key] = PendingRows(
+            table=key[0],
+            queue=key[1],
+            pending=int(r.pending) + (seen.pending if seen else 0),
+            due=int(r.due) + (seen.due if seen else 0),
+            oldest_pending_age_seconds=max(age, seen.oldest_pending_age_seconds if seen else age),
+            oldest_due_age_seconds=_oldest(due_age, seen.oldest_due_age_seconds if seen else None),
+            max_attempts=max(int(r.max_attempts), seen.max_attempts if seen else 0),
+        )
+        if r.tenant_id is None:
+            continue
+        tenant = by_tenant.get(int(r.tenant_id))
+        by_tenant[int(r.tenant_id)] = TenantBacklog(
+            tenant_id=int(r.tenant_id),
+            pending=int(r.pending) + (tenant.pending if tenant else 0),
+            due=int(r.due) + (tenant.due if tenant else 0),
+            oldest_pending_age_seconds=max(age, tenant.oldest_pending_age_seconds if tenant else age),
+            oldest_due_age_seconds=_oldest(due_age, tenant.oldest_due_age_seconds if tenant else None),
+        )
+    behind = sorted(
+        by_tenant.values(),
+        key=lambda t: (-(t.oldest_due_age_seconds or -1.0), -t.oldest_pending_age_seconds, t.tenant_id),
     )
+    return [by_queue[k] for k in sorted(by_queue)], TenantBacklogReport(behind[:limit], len(by_tenant))
 
 
 # --- the last hour, per minute -------------------------------------------------------------

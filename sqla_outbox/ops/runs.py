@@ -88,14 +88,15 @@ class RunDetail:
 class RunCursor:
     """A position in a run list: the ``(created_at, run_id)`` of a row.
 
-    :meth:`encode` / :meth:`decode` give it a URL-safe text form (``<ISO time>~<uuid>``).
+    :meth:`encode` / :meth:`decode` give it a URL-safe text form (``<UTC ISO time>Z~<uuid>``).
     """
 
     created_at: dt.datetime
     run_id: uuid.UUID
 
     def encode(self) -> str:
-        return f"{self.created_at.isoformat()}~{self.run_id}"
+        at = self.created_at.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # no "+": URL-safe
+        return f"{at}~{self.run_id}"
 
     @classmethod
     def decode(cls, text: str) -> RunCursor:

@@ -141,13 +141,20 @@ def test_an_operator_watches_runs_flow_then_requeues_a_failed_run_that_succeeds(
             timeout=60_000,
         )
         assert page.evaluate("window.__not_reloaded") is True
-        finished = page.locator("#activity tbody tr").first.get_attribute("data-minute")
-        assert finished is not None
-        assert (
-            int(page.locator("#activity tbody tr [data-finished]").first.get_attribute("data-finished") or 0)
-            >= 1
+        page.wait_for_function(
+            """() => [...document.querySelectorAll('#activity [data-finished]')]
+                .some(cell => Number(cell.getAttribute('data-finished')) >= 1)""",
+            timeout=30_000,
         )
         assert page.locator("#chart-throughput polyline").count() >= 3
+        # the numbers refresh around the charts, which stay (hx-preserve) and refresh themselves
+        page.evaluate("document.getElementById('chart-throughput').dataset.seen = 'yes'")
+        shown = page.inner_text("#db-time")
+        page.wait_for_function(f"() => document.getElementById('db-time').innerText !== {json.dumps(shown)}")
+        assert page.locator("#charts-box").count() == 1
+        page.wait_for_function(
+            "() => !document.getElementById('chart-throughput').dataset.seen", timeout=10_000
+        )
         screenshot(page, "overview")
 
         # a failed run: find it with the filters, open it, read its error and trail

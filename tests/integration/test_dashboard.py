@@ -137,8 +137,12 @@ def test_overview_shows_pending_rows_by_queue_and_tenant_runs_by_status_and_the_
     with serve() as client:
         page = client.get("/").text
         live = client.get("/overview/live")
+        charts = client.get("/overview/charts")
+        again = client.get("/overview/charts")
 
     assert live.status_code == 200 and live.text.lstrip().startswith('<div id="live"')
+    assert 'hx-get="/overview/charts" hx-trigger="load"' in page and 'hx-preserve="true"' in page
+    assert charts.status_code == 200 and charts.text.lstrip().startswith('<div id="charts"')
     by_queue = cells(page, "data-queue")
     assert set(by_queue) == {"critical", "maintenance"}
     assert by_queue["critical"].startswith("outbox_messages critical 3 3 ")
@@ -148,7 +152,7 @@ def test_overview_shows_pending_rows_by_queue_and_tenant_runs_by_status_and_the_
     counts = dict(re.findall(r'data-status-count="(\w+)" data-count="(\d+)"', page))
     assert counts == {"queued": "4", "running": "0", "retrying": "0", "succeeded": "1", "failed": "1"}
     assert 'id="pending-total" data-count="4"' in page
-    minute = re.search(r'<tr data-minute="[^"]+">(.*?)</tr>', page, re.S)
+    minute = re.search(r'<tr data-minute="[^"]+">(.*?)</tr>', charts.text, re.S)
     assert minute is not None
     assert re.findall(r'data-(dispatched|finished|failed)="(\d+)"', minute.group(1)) == [
         ("dispatched", "6"),
@@ -156,7 +160,7 @@ def test_overview_shows_pending_rows_by_queue_and_tenant_runs_by_status_and_the_
         ("failed", "1"),
     ]
     assert "0.250 s" in minute.group(1)  # p50 of the one succeeded run's commit → finish
-    assert page.count("<polyline") >= 3
+    assert charts.text.count("<polyline") >= 3 and again.text.count("<polyline") >= 3
 
 
 def test_status_counts_switch_to_the_planner_estimate_above_the_cap(
