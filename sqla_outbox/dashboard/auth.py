@@ -187,6 +187,7 @@ class Auth:
         if self.token is None or self._token_fingerprint is None or not _same(token, self.token):
             return False
         request.session["identity"] = {"name": clean_name(name, "token"), "token": self._token_fingerprint}
+        request.session.pop("csrf", None)  # a new CSRF token once signed in (no fixation)
         return True
 
     @staticmethod

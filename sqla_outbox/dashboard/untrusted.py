@@ -9,6 +9,8 @@ spoofs another task's name through a right-to-left override reads as what it is.
 
 The template environment applies it to every string it prints (``finalize``), so no
 page can forget it. Newlines and tabs stay: tracebacks keep their shape in ``<pre>``.
+It is the one place the dashboard decides what is invisible: should the package gain a
+shared rule for terminal output, this function is the one to replace with it.
 """
 
 from __future__ import annotations

@@ -220,8 +220,10 @@ def test_token_bearer_session_and_basic_identities() -> None:
         with pytest.raises(Unauthenticated):
             auth.identity(request({"Authorization": bad}))
     session: dict[str, Any] = {}
+    before = Auth.csrf_token(request(session=session))
     assert not auth.log_in(request(session=session), "wrong", "dave")
     assert auth.log_in(request(session=session), TOKEN, "dave")
+    assert Auth.csrf_token(request(session=session)) != before  # a new CSRF token once signed in
     assert auth.identity(request(session=session)).name == "dave"
     rotated = Auth(OutboxSettings(dashboard_token=TOKEN + "-rotated"), identify=None, secret_key=None)
     with pytest.raises(Unauthenticated):  # a session from before the rotation
