@@ -155,6 +155,17 @@ def screenshots(app: Any, directory: Path) -> None:
         page.screenshot(path=str(directory / "dashboard-overview-busy.png"), full_page=True)
 
 
+@contextlib.contextmanager
+def database(args: Any) -> Iterator[common.BenchDatabase]:
+    if not args.reuse_db:
+        with common.bench_database(args, "bench_dashboard") as db:
+            yield db
+        return
+    server = common.libpq_url(args.pg_url)
+    url = common._with_database(server, "bench_dashboard")
+    yield common.BenchDatabase(server, "bench_dashboard", url, common.sqlalchemy_url(url))
+
+
 def main() -> None:
     p = common.parser(__doc__, rounds=1)
     p.add_argument("--runs", type=int, default=1_000_000, help="task_runs rows (default 1,000,000)")
@@ -166,6 +177,12 @@ def main() -> None:
     )
     p.add_argument("--dlq-messages", type=int, default=50, help="dead letters in moto (default 50)")
     p.add_argument("--screenshots", metavar="DIR", help="also save a screenshot of the busy overview in DIR")
+    p.add_argument(
+        "--reuse-db",
+        action="store_true",
+        help="measure the database a --keep-db run left (bench_dashboard) instead of filling a new one",
+    )
+    p.add_argument("--no-baseline", action="store_true", help="skip the pages without sqlaob_0002's indexes")
     args = p.parse_args()
     report = common.Report(
         "bench_dashboard",
@@ -182,9 +199,15 @@ def main() -> None:
     from sqla_outbox import migrations
     from sqla_outbox.dashboard import create_app
 
-    with common.bench_database(args, "bench_dashboard") as db, common.moto_server() as moto:
-        fill_seconds = _dashboard_fill.fill(db.url, runs=args.runs, pending=args.pending, recent=args.recent)
-        report.note(f"fill: {fill_seconds:.0f} s")
+    with database(args) as db, common.moto_server() as moto:
+        if args.reuse_db:
+            migrations.upgrade(db.sa_url)  # a baseline run left it at sqlaob_0001
+            report.note("reused the database of an earlier --keep-db run")
+        else:
+            fill_seconds = _dashboard_fill.fill(
+                db.url, runs=args.runs, pending=args.pending, recent=args.recent
+            )
+            report.note(f"fill: {fill_seconds:.0f} s")
         settings = common.settings(db, None, sqs_endpoint_url=moto.endpoint)
         catalog_path = Path(settings.catalog_path)
         catalog_path.write_text(json.dumps(scheduled_catalog()))
@@ -210,13 +233,15 @@ def main() -> None:
                 screenshots(app, Path(args.screenshots))
         finally:
             app.state.dashboard.close()
-        migrations.downgrade(db.sa_url, "sqlaob_0001")
-        common.vacuum(db.url, "task_runs")
-        app = create_app(settings)
-        try:
-            before = measure(app, paths, args.baseline_requests)
-        finally:
-            app.state.dashboard.close()
+        before: dict[str, list[float]] = {name: [] for name in paths}
+        if not args.no_baseline:
+            migrations.downgrade(db.sa_url, "sqlaob_0001")
+            common.vacuum(db.url, "task_runs")
+            app = create_app(settings)
+            try:
+                before = measure(app, paths, args.baseline_requests)
+            finally:
+                app.state.dashboard.close()
 
     rows = []
     for name in paths:

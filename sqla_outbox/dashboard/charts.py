@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 WIDTH = 640
 HEIGHT = 200
 LEFT = 52
-RIGHT = 12
+RIGHT = 20
 TOP = 12
 BOTTOM = 26
 
