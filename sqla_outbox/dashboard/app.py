@@ -149,7 +149,7 @@ class Dashboard:
             return reading(connection)
 
     def close(self) -> None:
-        """Dispose of the engines the dashboard created and stop its waker."""
+        """Dispose of the engines the dashboard created, close its SQS client, stop its waker."""
         with self._lock:
             for engine in (self._read_engine, self._write_engine):
                 if engine is not None:
@@ -158,6 +158,9 @@ class Dashboard:
             if self._waker is not None:
                 self._waker.close()
                 self._waker = None
+            if self._sqs is not None:
+                self._sqs.close()
+                self._sqs = None
 
 
 def _finalize(value: Any) -> Any:
