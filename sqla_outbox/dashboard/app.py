@@ -136,7 +136,8 @@ class Dashboard:
             return self._sqs
 
     def waker(self) -> Waker | None:
-        if self.settings.valkey_url is None:
+        """The Valkey waker when that wake is in force (a requeue NOTIFYs by itself)."""
+        if self.settings.wake_valkey_url is None:
             return None
         with self._lock:
             if self._waker is None:
