@@ -54,6 +54,7 @@ from sqla_outbox.dashboard.untrusted import visible
 from sqla_outbox.logging import log_extra
 from sqla_outbox.ops import dlq, requeue, runs
 from sqla_outbox.relay import scheduling_catalog
+from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
 from sqla_outbox.wakeup import Waker
 
 logger = logging.getLogger(__name__)
@@ -244,6 +245,8 @@ class Pages:
             login_page=self.auth.uses_login_page,
             refresh_seconds=self.settings.dashboard_refresh_seconds,
             show_payloads=self.settings.dashboard_show_payloads,
+            run_statuses=RUN_STATUSES,
+            queue_names=QUEUE_NAMES,
         )
         context.setdefault("page", template.removesuffix(".html").lstrip("_"))
         response = self.templates.TemplateResponse(request, template, context, status_code=status_code)
