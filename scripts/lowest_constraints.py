@@ -14,7 +14,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-EXTRAS = ("otel", "embedded")
+EXTRAS = ("otel", "embedded", "dashboard")
 _REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*(.*)$")
 
 

@@ -256,6 +256,36 @@ class OutboxSettings:
         unit="s",
     )
 
+    # --- dashboard -----------------------------------------------------------------------
+    dashboard_host: str = _setting(
+        "127.0.0.1",
+        "Address `python -m sqla_outbox dashboard` listens on. Any other address than a "
+        "loopback one needs `dashboard_token` or `dashboard_basic_auth`.",
+    )
+    dashboard_port: int = _setting(8089, "TCP port of `python -m sqla_outbox dashboard`.")
+    dashboard_token: str | None = _setting(
+        None,
+        "Secret token that opens the dashboard (at least 16 characters): typed once on its "
+        "login page, or sent as `Authorization: Bearer <token>`. Unset: no token.",
+    )
+    dashboard_basic_auth: str | None = _setting(
+        None,
+        "`user:password` accepted through HTTP basic authentication (the password at least "
+        "12 characters); the user name is recorded as who did an action. Unset: no basic auth.",
+    )
+    dashboard_actions: bool = _setting(
+        False,
+        "Enable the dashboard's actions (DLQ requeue; later pause, resume, cancel). Off: "
+        "read-only. Actions need an authenticated operator and a CSRF token.",
+    )
+    dashboard_show_payloads: bool = _setting(
+        False,
+        "Show run payloads on the dashboard's run pages (hidden by default: they may hold personal data).",
+    )
+    dashboard_refresh_seconds: float = _setting(
+        5.0, "How often the dashboard's overview refreshes itself.", unit="s"
+    )
+
     # --- maintenance ---------------------------------------------------------------------
     purge_sent_after_days: float = _setting(
         7.0, "`maintenance.purge` deletes outbox rows sent longer ago than this.", unit="days"
@@ -273,6 +303,8 @@ class OutboxSettings:
             "sqs_endpoint_url",
             "tenant_foreign_key",
             "sqs_kms_key_id",
+            "dashboard_token",
+            "dashboard_basic_auth",
         ):
             value = getattr(self, name)
             if isinstance(value, str) and value.strip().lower() in _NONE_WORDS:
@@ -370,6 +402,10 @@ class OutboxSettings:
                 value = redact_url(value)
             if field.name == "signing_keys":
                 value = ["***"] * len(value)
+            if field.name == "dashboard_token" and value:
+                value = "***"
+            if field.name == "dashboard_basic_auth" and value:
+                value = value.split(":", 1)[0] + ":***"
             out[field.name] = value
         return out
 
@@ -701,6 +737,18 @@ def _validate(s: OutboxSettings) -> None:
         "health_host",
         f"must be an IP address or host name, got {s.health_host!r}",
     )
+    _check(0 <= s.dashboard_port <= 65535, "dashboard_port", "must be a TCP port (0..65535)")
+    _check(bool(s.dashboard_host.strip()), "dashboard_host", "must not be empty")
+    if s.dashboard_token is not None:
+        _check(len(s.dashboard_token) >= 16, "dashboard_token", "must be at least 16 characters long")
+    if s.dashboard_basic_auth is not None:
+        user, colon, password = s.dashboard_basic_auth.partition(":")
+        _check(
+            bool(user) and bool(colon) and len(password) >= 12,
+            "dashboard_basic_auth",
+            "must be user:password with a password of at least 12 characters",
+        )
+    _check(s.dashboard_refresh_seconds >= 1, "dashboard_refresh_seconds", "must be >= 1 s")
     for name in ("purge_sent_after_days", "purge_succeeded_after_days", "purge_failed_after_days"):
         _check(getattr(s, name) >= 0, name, "must be >= 0")
     _check(s.purge_batch_size >= 1, "purge_batch_size", "must be >= 1")

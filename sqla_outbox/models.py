@@ -220,6 +220,10 @@ class TaskRun(Base):
             postgresql_where=text("status IN ('succeeded', 'failed')"),
         ),
         Index("task_runs_status_idx", "status", "updated_at"),
+        # sqlaob_0003: run lists newest first (dashboard, runs list), filtered by task or tenant
+        Index("task_runs_created_at_idx", "created_at"),
+        Index("task_runs_task_created_at_idx", "task", "created_at"),
+        Index("task_runs_tenant_id_created_at_idx", "tenant_id", "created_at"),
     )
 
 

@@ -494,3 +494,34 @@ def _answers(redis: Any, url: str) -> bool:
         return True
     except redis.RedisError:
         return False
+
+
+# --- ASGI apps (the dashboard) ------------------------------------------------------------
+@contextlib.contextmanager
+def serve_asgi(app: Any) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free loopback port in a thread; yield its base URL."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=free_port(), log_config=None, access_log=False, lifespan="on"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started or not thread.is_alive(), timeout=20)
+        if not server.started:
+            raise RuntimeError("uvicorn did not start")
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+def csrf_token(html: str) -> str:
+    """The CSRF token a dashboard page carries (``<meta name="csrf-token">``, and its forms)."""
+    import re
+
+    match = re.search(r'<meta name="csrf-token" content="([^"]+)">', html)
+    assert match, "no CSRF token in the page"
+    return match.group(1)

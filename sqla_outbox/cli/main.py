@@ -1,7 +1,7 @@
 """The ``python -m sqla_outbox`` command group: every command module attached to one group.
 
 Command modules (``relay``, ``worker``, ``provision``, ``migrate``, ``catalog``,
-``config``, ``status``, ``runs``, ``dlq``, ``purge``, ``demo``) each define their
+``config``, ``status``, ``runs``, ``dlq``, ``purge``, ``dashboard``, ``demo``) each define their
 command or group and import only :mod:`sqla_outbox.cli.options` and
 :mod:`sqla_outbox.cli.terminal` from the CLI; this module is the only one that imports
 them, so the CLI's imports run one way (docs/architecture.md).
@@ -13,6 +13,7 @@ import click
 
 from sqla_outbox.cli.catalog import catalog_group
 from sqla_outbox.cli.config import config_command
+from sqla_outbox.cli.dashboard import dashboard_command
 from sqla_outbox.cli.demo import demo_command
 from sqla_outbox.cli.dlq import dlq_group
 from sqla_outbox.cli.migrate import migrate_command
@@ -46,6 +47,7 @@ for _command in (
     runs_group,
     dlq_group,
     purge_command,
+    dashboard_command,
     demo_command,
 ):
     main.add_command(_command)

@@ -50,6 +50,12 @@ OUTBOX_TABLES = (
 )
 """The tables the migrations create (the version table aside)."""
 
+CONCURRENT_INDEX_MIN_ROWS = 100_000
+"""A revision that adds an index to a table at least this large (planner estimate,
+``pg_class.reltuples``) builds it with ``CREATE INDEX CONCURRENTLY``, so dispatches are not
+blocked while it runs (PostgreSQL: a plain ``CREATE INDEX`` holds a SHARE lock that blocks
+writes to the table until the build ends)."""
+
 
 def tenant_foreign_key() -> str | None:
     """The FK target for ``outbox_messages.tenant_id`` while a migration runs.
@@ -207,7 +213,7 @@ def current_revisions(target: Any) -> tuple[str, ...]:
 
 
 def head_revisions() -> tuple[str, ...]:
-    """The head revisions of the bundled migrations, sorted (``("sqlaob_0002",)`` today)."""
+    """The head revisions of the bundled migrations, sorted (one head: the revisions form a single chain)."""
     from alembic.script import ScriptDirectory
 
     return tuple(sorted(ScriptDirectory.from_config(alembic_config()).get_heads()))

@@ -344,6 +344,7 @@ def requeue_run(
     trail_detail: dict[str, Any],
     filters: DeadLetterFilter | None = None,
     dlq_queue: str | None = None,
+    operator: str | None = None,
 ) -> RequeueItem:
     """Apply the guardrails and the requeue statements for one run, in the caller's
     transaction (the caller commits, or rolls back for a dry run).
@@ -359,6 +360,9 @@ def requeue_run(
         filters: For database-only requeues, the task/queue/age filters to honour.
         dlq_queue: The logical queue whose DLQ held the message; a run of another queue
             is refused (its own messages are in its own queue's DLQ).
+        operator: Who asked, recorded as the trail row's ``worker_id`` (default
+            :func:`operator_id`: ``operator:<user>@<host>``; the dashboard passes
+            ``dashboard:<name>``).
 
     Returns:
         The :class:`RequeueItem`, ``action`` ``requeued`` or ``skipped``.
@@ -425,7 +429,7 @@ def requeue_run(
             {
                 "run_id": run_id,
                 "attempt": run.attempts,
-                "worker": operator_id(),
+                "worker": operator or operator_id(),
                 "detail": json.dumps(detail),
             },
         )
@@ -458,6 +462,7 @@ def _requeue_one(
     trail_detail: dict[str, Any],
     filters: DeadLetterFilter | None = None,
     dlq_queue: str | None = None,
+    operator: str | None = None,
 ) -> RequeueItem:
     with engine.connect() as connection:
         transaction = connection.begin()
@@ -471,6 +476,7 @@ def _requeue_one(
                 trail_detail=trail_detail,
                 filters=filters,
                 dlq_queue=dlq_queue,
+                operator=operator,
             )
         except BaseException:
             transaction.rollback()
@@ -507,6 +513,7 @@ def requeue(
     include_no_reason: bool = False,
     visibility_seconds: int = REQUEUE_VISIBILITY_SECONDS,
     max_messages: int = 10_000,
+    operator: str | None = None,
 ) -> RequeueReport:
     """Requeue the failed runs whose DLQ messages match ``filters`` (see the module docstring).
 
@@ -525,6 +532,8 @@ def requeue(
         include_no_reason: Also act on DLQ messages without a worker verdict (``no-reason``).
         visibility_seconds: How long scanned DLQ messages stay hidden.
         max_messages: Most DLQ messages received per queue.
+        operator: Who asked, recorded in each requeued run's trail row (``worker_id``);
+            default :func:`operator_id`.
 
     Returns:
         A :class:`RequeueReport`.
@@ -552,7 +561,9 @@ def requeue(
                 copies: dict[uuid.UUID, _Copies] = {}
                 for batch in scan.batches():
                     _collect(engine, policy, batch, filters, report, copies)
-                _decide(engine, settings, policy, scan, queue, copies, report, by_run, dry_run, waker)
+                _decide(
+                    engine, settings, policy, scan, queue, copies, report, by_run, dry_run, waker, operator
+                )
         except Exception as exc:
             if not is_missing_queue(exc):
                 raise
@@ -568,6 +579,7 @@ def requeue(
             source="database",
             trail_detail={},
             filters=filters,
+            operator=operator,
         )
         by_run[run_id] = item
         report.items.append(item)
@@ -730,6 +742,7 @@ def _decide(
     by_run: dict[uuid.UUID, RequeueItem],
     dry_run: bool,
     waker: Waker | None,
+    operator: str | None,
 ) -> None:
     """Requeue each run of one DLQ over all of its usable copies, then wake the relay and
     delete the copies of the runs requeued."""
@@ -750,6 +763,7 @@ def _decide(
                 **({"dlq_copies": len(found.received)} if len(found.received) > 1 else {}),
             },
             dlq_queue=queue,
+            operator=operator,
         )
         item.dlq_message_ids = [r.letter.message_id for r in found.received]
         by_run[run_id] = item

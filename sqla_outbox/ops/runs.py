@@ -3,6 +3,12 @@
 Read-only. Ages and age filters use the database clock (``clock_timestamp()``), so a
 skewed operator laptop never shifts them. Age filters apply to ``created_at`` (when the
 run was dispatched).
+
+Lists are newest first, ordered by ``(created_at, run_id)`` descending, and paginated by
+keyset (a :class:`RunCursor` names the last row seen), never by OFFSET: a page costs the
+same at the millionth row as at the first. Index-backed (``task_runs_created_at_idx``,
+``task_runs_task_created_at_idx``, ``task_runs_tenant_id_created_at_idx``, and
+``task_runs_status_idx`` for rare statuses).
 """
 
 from __future__ import annotations
@@ -79,6 +85,38 @@ class RunDetail:
 
 
 @dataclasses.dataclass(frozen=True)
+class RunCursor:
+    """A position in a run list: the ``(created_at, run_id)`` of a row.
+
+    :meth:`encode` / :meth:`decode` give it a URL-safe text form (``<UTC ISO time>Z~<uuid>``).
+    """
+
+    created_at: dt.datetime
+    run_id: uuid.UUID
+
+    def encode(self) -> str:
+        at = self.created_at.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # no "+": URL-safe
+        return f"{at}~{self.run_id}"
+
+    @classmethod
+    def decode(cls, text: str) -> RunCursor:
+        """Parse :meth:`encode`'s form.
+
+        Raises:
+            ConfigurationError: ``text`` is not a cursor (it comes from a URL: untrusted).
+        """
+        created, _, run_id = text.partition("~")
+        try:
+            at = dt.datetime.fromisoformat(created)
+            parsed = uuid.UUID(run_id)
+        except ValueError:
+            raise errors.ConfigurationError("not a position in the run list", option="cursor") from None
+        if at.tzinfo is None:
+            raise errors.ConfigurationError("the cursor time has no time zone", option="cursor")
+        return cls(at, parsed)
+
+
+@dataclasses.dataclass(frozen=True)
 class RunFilter:
     """Filters of ``runs list``; every given filter must match (AND).
 
@@ -88,6 +126,12 @@ class RunFilter:
         tenant_id: A tenant id; ``"platform"`` selects runs without a tenant; None: any.
         older_than: Only runs created longer ago than this.
         newer_than: Only runs created more recently than this.
+        created_after / created_before: Only runs created at or after / before this
+            instant (timezone-aware).
+        before: Keyset cursor: only runs after this position in the newest-first order
+            (the next, older page).
+        after: Keyset cursor: only runs before this position (the previous, newer page);
+            still returned newest first.
         limit: Most runs returned, newest first.
     """
 
@@ -97,6 +141,10 @@ class RunFilter:
     tenant_id: int | str | None = None
     older_than: dt.timedelta | None = None
     newer_than: dt.timedelta | None = None
+    created_after: dt.datetime | None = None
+    created_before: dt.datetime | None = None
+    before: RunCursor | None = None
+    after: RunCursor | None = None
     limit: int = DEFAULT_LIMIT
 
 
@@ -143,14 +191,16 @@ def get_run(connection: Connection, run_id: uuid.UUID, *, with_traceback: bool =
 
 
 def list_runs(connection: Connection, filters: RunFilter) -> list[RunRecord]:
-    """Runs matching ``filters``, newest ``created_at`` first, at most ``filters.limit``.
+    """Runs matching ``filters``, newest ``(created_at, run_id)`` first, at most ``filters.limit``.
 
     Raises:
-        ConfigurationError: ``limit`` is below 1 or ``tenant_id`` is neither an integer
-            nor ``"platform"``.
+        ConfigurationError: ``limit`` is below 1, ``tenant_id`` is neither an integer
+            nor ``"platform"``, or both cursors are given.
     """
     if filters.limit < 1:
         raise errors.ConfigurationError("must be >= 1", option="--limit")
+    if filters.before is not None and filters.after is not None:
+        raise errors.ConfigurationError("give one of before and after", option="cursor")
     query = sa.select(task_runs, _AGE)
     if filters.tasks:
         query = query.where(task_runs.c.task.in_(list(filters.tasks)))
@@ -168,7 +218,21 @@ def list_runs(connection: Connection, filters: RunFilter) -> list[RunRecord]:
         query = query.where(task_runs.c.created_at < _NOW - filters.older_than)
     if filters.newer_than is not None:
         query = query.where(task_runs.c.created_at > _NOW - filters.newer_than)
-    query = query.order_by(task_runs.c.created_at.desc(), task_runs.c.run_id).limit(filters.limit)
+    if filters.created_after is not None:
+        query = query.where(task_runs.c.created_at >= filters.created_after)
+    if filters.created_before is not None:
+        query = query.where(task_runs.c.created_at < filters.created_before)
+    created, run_id = task_runs.c.created_at, task_runs.c.run_id
+    # (created_at, run_id) < cursor, spelled so that an index on created_at bounds the scan
+    if filters.before is not None:
+        at, last = filters.before.created_at, filters.before.run_id
+        query = query.where(created <= at, sa.or_(created < at, run_id < last))
+    if filters.after is not None:
+        at, last = filters.after.created_at, filters.after.run_id
+        query = query.where(created >= at, sa.or_(created > at, run_id > last))
+        query = query.order_by(created.asc(), run_id.asc()).limit(filters.limit)
+        return [_record(row) for row in reversed(list(connection.execute(query)))]
+    query = query.order_by(created.desc(), run_id.desc()).limit(filters.limit)
     return [_record(row) for row in connection.execute(query)]
 
 

@@ -47,6 +47,8 @@ def behave(payload: dict[str, Any], ctx: TaskContext) -> None:
         raise errors.ValidationFailed("refused after thinking about it")
     if mode == "permanent":
         raise errors.ValidationFailed("order 7 has no lines")
+    if mode == "permanent_until_fixed" and not os.path.exists(payload["fixed"]):
+        raise errors.ValidationFailed("the <b>order service</b> refused order 7")
     if mode == "keyerror":
         raise KeyError("missing-sku")
     if mode == "retry_in":

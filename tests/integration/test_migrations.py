@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from sqla_outbox import models
+from sqla_outbox import migrations, models
 from tests import support
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +93,7 @@ def test_standalone_upgrade_downgrade_and_offline_sql(empty_db: str) -> None:
     assert OUR_TABLES <= tables(empty_db)
     with psycopg.connect(empty_db) as conn:
         version = conn.execute("SELECT version_num FROM sqla_outbox_alembic_version").fetchall()
-    assert version == [("sqlaob_0002",)]
+    assert [v for (v,) in version] == list(migrations.head_revisions())
     offline = alembic(["upgrade", "head", "--sql"], url=empty_db, config=config)
     assert "CREATE TABLE outbox_messages" in offline.stdout
     assert "CONSTRAINT outbox_messages_envelope_check" in offline.stdout
@@ -167,6 +167,56 @@ def test_models_match_the_migrations(database_url: str) -> None:
         models.set_tenant_foreign_key("tenants.id")
         engine.dispose()
     assert diff == []
+
+
+def _run_list_indexes(url: str) -> dict[str, bool]:
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT c.relname, i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE i.indrelid = 'task_runs'::regclass AND c.relname LIKE '%created_at_idx'"
+        ).fetchall()
+    return dict(rows)
+
+
+def test_run_list_indexes_are_built_concurrently_on_a_large_table(
+    empty_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sqlaob_0003 on a table past the threshold: CREATE INDEX CONCURRENTLY outside the
+    migration's transaction (dispatches keep flowing), and an index a cancelled concurrent
+    build left INVALID is dropped and built again."""
+    with_tenants(empty_db)
+    url = "postgresql+psycopg://" + empty_db.removeprefix("postgresql://")
+    migrations.upgrade(url, "sqlaob_0002")  # the revision before the run-list indexes
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO task_runs (run_id, task, queue, status, available_at) SELECT gen_random_uuid(), "
+            "'t', 'default', 'queued', clock_timestamp() FROM generate_series(1, 50)"
+        )
+        conn.execute("ANALYZE task_runs")
+        with pytest.raises(psycopg.errors.UniqueViolation):  # leaves an INVALID index behind
+            conn.execute("CREATE UNIQUE INDEX CONCURRENTLY task_runs_created_at_idx ON task_runs (status)")
+    assert _run_list_indexes(empty_db) == {"task_runs_created_at_idx": False}
+    monkeypatch.setattr(migrations, "CONCURRENT_INDEX_MIN_ROWS", 10)
+    statements: list[str] = []
+    engine = sa.create_engine(url)
+    sa.event.listen(engine, "before_cursor_execute", lambda *args: statements.append(args[2].strip()))
+    try:
+        with engine.connect() as conn:
+            migrations.upgrade(conn)
+    finally:
+        engine.dispose()
+    built = [s for s in statements if s.startswith("CREATE INDEX") and "_created_at_idx" in s]
+    assert len(built) == 3 and all(s.startswith("CREATE INDEX CONCURRENTLY IF NOT EXISTS") for s in built)
+    dropped = [s for s in statements if s.startswith("DROP INDEX")]
+    assert dropped == ["DROP INDEX CONCURRENTLY task_runs_created_at_idx"]
+    assert _run_list_indexes(empty_db) == {
+        "task_runs_created_at_idx": True,
+        "task_runs_task_created_at_idx": True,
+        "task_runs_tenant_id_created_at_idx": True,
+    }
+    assert migrations.current_revisions(url) == migrations.head_revisions()
+    migrations.downgrade(url, "sqlaob_0001")
+    assert _run_list_indexes(empty_db) == {}
 
 
 @pytest.mark.parametrize(

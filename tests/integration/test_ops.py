@@ -18,7 +18,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from sqla_outbox import Dispatch, envelope
+from sqla_outbox import Dispatch, envelope, errors
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.ops import dlq, requeue, runs, status
 from sqla_outbox.relay import Relay
@@ -290,6 +290,43 @@ def test_list_runs_filters_by_task_status_tenant_queue_and_age(
     with engine.connect() as conn:
         [record] = runs.list_runs(conn, runs.RunFilter(tenant_id="platform"))
     assert record.age_seconds == pytest.approx(3 * 3600, abs=60)
+
+
+def test_keyset_pages_reach_every_run_once_even_when_runs_share_a_creation_time(
+    app: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with app() as session, session.begin():
+        for i in range(30):
+            session.add(Dispatch("send_welcome", {"i": i}, tenant_id=1 + i % 2))
+    # groups of 4 runs created at the very same instant: only run_id orders them
+    execute(
+        engine,
+        "UPDATE task_runs SET created_at = t.at FROM (SELECT run_id, timestamptz '2026-11-30 10:00Z' "
+        "+ (row_number() OVER (ORDER BY run_id) / 4) * interval '1 second' AS at FROM task_runs) t "
+        "WHERE task_runs.run_id = t.run_id",
+    )
+    with engine.connect() as conn:
+        everything = [r.run_id for r in runs.list_runs(conn, runs.RunFilter(limit=100))]
+        assert len(everything) == 30
+        forward: list[list[uuid.UUID]] = []
+        page = runs.list_runs(conn, runs.RunFilter(limit=7))
+        while page:
+            forward.append([r.run_id for r in page])
+            last = runs.RunCursor(page[-1].created_at, page[-1].run_id)
+            page = runs.list_runs(conn, runs.RunFilter(limit=7, before=last))
+        backward: list[list[uuid.UUID]] = []
+        page = runs.list_runs(conn, runs.RunFilter(limit=100))[-7:]
+        while page:
+            backward.append([r.run_id for r in page])
+            first = runs.RunCursor(page[0].created_at, page[0].run_id)
+            page = runs.list_runs(conn, runs.RunFilter(limit=7, after=first))
+        tenant = [r.run_id for r in runs.list_runs(conn, runs.RunFilter(tenant_id=2, limit=100))]
+        with pytest.raises(errors.ConfigurationError, match="give one of before and after"):
+            runs.list_runs(conn, runs.RunFilter(before=last, after=first))
+    assert [run_id for chunk in forward for run_id in chunk] == everything
+    assert [len(chunk) for chunk in forward] == [7, 7, 7, 7, 2]
+    assert [run_id for chunk in reversed(backward) for run_id in chunk] == everything
+    assert tenant == [run_id for run_id in everything if run_id in set(tenant)] and len(tenant) == 15
 
 
 # --- dlq list ------------------------------------------------------------------------------

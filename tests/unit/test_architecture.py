@@ -64,6 +64,9 @@ def test_every_contract_is_kept() -> None:
         ("relay/send.py", "import httpx as _httpx", "Only the worker (sqla_outbox.worker) imports httpx"),
         # a module nobody has listed yet is covered by the owner contracts all the same
         ("brand_new.py", "import boto3 as _boto3", "Only the SQS layer"),
+        # the dashboard rendering for a terminal, or reaching up into the commands
+        ("dashboard/app.py", "import click as _click", "Nothing below the commands"),
+        ("dashboard/views.py", "from sqla_outbox.cli import options as _up", "Layers"),
     ],
 )
 def test_a_deliberate_break_fails_the_check(tmp_path: Path, module: str, added: str, broken: str) -> None:

@@ -1,0 +1,314 @@
+"""The dashboard's action framework, and the actions that exist today (DLQ requeue).
+
+An **action** changes something: requeue dead-lettered runs today; pause and resume a
+task or queue, reset a circuit breaker, release a throttled tenant or cancel a run when
+those capabilities exist. Every action goes through the same steps, enforced by the
+application (:mod:`sqla_outbox.dashboard.app`), never by the action itself:
+
+1. actions are enabled (``SQLA_OUTBOX_DASHBOARD_ACTIONS``), else 403;
+2. the operator is authenticated (an anonymous viewer never acts), else 401/403;
+3. the form carries the session's CSRF token (:meth:`Auth.check_csrf`), else 403;
+4. :meth:`Action.parse` turns the form into parameters, or refuses it
+   (:class:`ActionInputError`, 400);
+5. **confirmation**: ``POST /actions/<name>/preview`` runs :meth:`Action.preview` (a
+   dry run that changes nothing) and shows what would happen with a Confirm button;
+6. ``POST /actions/<name>`` with ``confirmed=yes`` runs :meth:`Action.perform` with the
+   operator's identity, which the action records where the change is recorded (the run
+   trail's ``worker_id`` is ``dashboard:<name>``); the application also logs one
+   ``dashboard.action`` line (action, operator, summary).
+
+Where actions appear: :attr:`Action.places` names the pages that offer it (``dlq``,
+``run`` for a run page's buttons, ``controls`` for the Controls page), and
+:meth:`Action.applies_to_run` says whether a run page offers it for that run.
+``docs/dashboard.md`` ("Adding a control") shows a new action end to end.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import re
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+from sqlalchemy.engine import Engine
+
+from sqla_outbox.config import OutboxSettings
+from sqla_outbox.dashboard.auth import Identity
+from sqla_outbox.ops import dlq, requeue
+from sqla_outbox.ops.durations import parse_duration
+from sqla_outbox.ops.runs import RunRecord
+from sqla_outbox.types import QUEUE_NAMES
+from sqla_outbox.wakeup import Waker
+
+PLACES = frozenset({"dlq", "run", "controls"})
+
+Form = Mapping[str, Sequence[str]]
+"""A submitted form: every field's values, in order (a field may repeat)."""
+
+
+class ActionInputError(Exception):
+    """The form does not describe a valid action (shown to the operator, 400).
+
+    Attributes:
+        field: The form field at fault, when one is.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionContext:
+    """What an action may use.
+
+    Attributes:
+        settings: The dashboard's settings. engine: Engine of the outbox database
+            (read-write). identity: The authenticated operator (``identity.actor`` is
+            what to record). sqs: Returns the shared boto3 SQS client (created on first
+            use). waker: Returns the shared :class:`~sqla_outbox.wakeup.Waker`, or None
+            without Valkey.
+    """
+
+    settings: OutboxSettings
+    engine: Engine
+    identity: Identity
+    sqs: Callable[[], Any]
+    waker: Callable[[], Waker | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One table cell of a report: text, and optionally the run it links to."""
+
+    text: str
+    run_id: uuid.UUID | None = None
+
+
+@dataclasses.dataclass
+class ActionReport:
+    """What a preview or a perform shows: a summary sentence and a table.
+
+    Attributes:
+        summary: One sentence (``would requeue 3, skip 1``).
+        columns / rows: The table; untrusted text is escaped by the template.
+        changed: How many things the action changed (0 for a preview).
+        notes: Extra lines (missing queues, ...).
+    """
+
+    summary: str
+    columns: tuple[str, ...] = ()
+    rows: Sequence[tuple[Cell, ...]] = dataclasses.field(default_factory=list)
+    changed: int = 0
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+class Action(abc.ABC):
+    """One thing an operator can do from the dashboard; subclass and register it.
+
+    Class attributes:
+        name: URL segment and registry key (``dlq-requeue``): lower-case words and dashes.
+        title: Button and page title (``Requeue from the DLQ``).
+        description: One sentence for the confirmation page and the Controls page.
+        places: Pages that offer it: ``dlq``, ``run``, ``controls``.
+        confirm_label: The confirmation button's text.
+        form_template: A template (in ``sqla_outbox/dashboard/templates``) with the
+            action's form for the Controls page; None for actions offered elsewhere.
+    """
+
+    name: ClassVar[str]
+    title: ClassVar[str]
+    description: ClassVar[str] = ""
+    places: ClassVar[frozenset[str]] = frozenset()
+    confirm_label: ClassVar[str] = "Confirm"
+    form_template: ClassVar[str | None] = None
+
+    def applies_to_run(self, run: RunRecord) -> bool:
+        """Whether a run page offers this action for ``run`` (``run`` in :attr:`places`)."""
+        return False
+
+    def run_fields(self, run: RunRecord) -> dict[str, str]:
+        """The form fields a run page's button submits for ``run``."""
+        return {"run_id": str(run.run_id)}
+
+    @abc.abstractmethod
+    def parse(self, form: Form) -> Any:
+        """The action's parameters from a submitted form.
+
+        Raises:
+            ActionInputError: The form is incomplete or invalid.
+        """
+
+    @abc.abstractmethod
+    def preview(self, context: ActionContext, params: Any) -> ActionReport:
+        """What :meth:`perform` would do, changing nothing (the confirmation step)."""
+
+    @abc.abstractmethod
+    def perform(self, context: ActionContext, params: Any) -> ActionReport:
+        """Do it, recording ``context.identity.actor`` with the change."""
+
+
+class ActionRegistry:
+    """The actions an application offers, by name.
+
+    Args:
+        actions: Initial actions (:func:`default_actions` has today's).
+
+    Raises:
+        ValueError: Two actions share a name, or a name or place is invalid.
+    """
+
+    def __init__(self, actions: Iterable[Action] = ()) -> None:
+        self._actions: dict[str, Action] = {}
+        for action in actions:
+            self.register(action)
+
+    def register(self, action: Action) -> Action:
+        if not re.fullmatch(r"[a-z][a-z0-9-]{0,62}", action.name):
+            raise ValueError(f"action name {action.name!r}: use lower-case letters, digits and dashes")
+        if action.name in self._actions:
+            raise ValueError(f"an action named {action.name!r} is already registered")
+        if not action.places <= PLACES:
+            raise ValueError(f"action {action.name!r}: unknown places {sorted(action.places - PLACES)}")
+        self._actions[action.name] = action
+        return action
+
+    def get(self, name: str) -> Action | None:
+        return self._actions.get(name)
+
+    def in_place(self, place: str) -> list[Action]:
+        return [a for a in self._actions.values() if place in a.places]
+
+    def for_run(self, run: RunRecord) -> list[Action]:
+        return [a for a in self.in_place("run") if a.applies_to_run(run)]
+
+    def __iter__(self) -> Any:
+        return iter(self._actions.values())
+
+
+# --- DLQ requeue -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RequeueParams:
+    """What to requeue: the CLI's ``dlq requeue`` filters (at least one, or ``everything``)."""
+
+    filters: dlq.DeadLetterFilter
+    everything: bool = False
+
+
+def _values(form: Form, name: str) -> list[str]:
+    return [part.strip() for value in form.get(name, ()) for part in str(value).split(",") if part.strip()]
+
+
+class DlqRequeue(Action):
+    """Requeue failed runs from the DLQs, through the outbox: :func:`sqla_outbox.ops.requeue.requeue`,
+    the same code and guardrails as ``python -m sqla_outbox dlq requeue`` (only ``failed``
+    runs; not while another unfinished run holds the idempotency key; never a message the
+    worker refused unexecuted). The preview is its dry run."""
+
+    name = "dlq-requeue"
+    title = "Requeue from the DLQ"
+    description = (
+        "Put failed runs back to queued through the outbox, then delete their DLQ messages. "
+        "Only failed runs are requeued; the rest are listed as skipped with the reason."
+    )
+    places = frozenset({"dlq", "run"})
+    confirm_label = "Requeue"
+
+    def applies_to_run(self, run: RunRecord) -> bool:
+        return run.status == "failed"
+
+    def parse(self, form: Form) -> RequeueParams:
+        run_ids: set[uuid.UUID] = set()
+        for value in _values(form, "run_id"):
+            try:
+                run_ids.add(uuid.UUID(value))
+            except ValueError:
+                raise ActionInputError(f"{value!r} is not a run id", field="run_id") from None
+        queues = _values(form, "queue")
+        for queue in queues:
+            if queue not in QUEUE_NAMES:
+                raise ActionInputError(
+                    f"unknown queue {queue!r}; expected one of {', '.join(QUEUE_NAMES)}", field="queue"
+                )
+        tasks = _values(form, "task")
+        if any(len(task) > 200 for task in tasks):
+            raise ActionInputError("a task name is at most 200 characters", field="task")
+        older = _values(form, "older_than")
+        older_than = None
+        if older:
+            try:
+                older_than = parse_duration(older[-1])
+            except Exception:
+                raise ActionInputError(
+                    f"{older[-1]!r} is not a duration (examples: 90s, 10m, 2h, 7d)", field="older_than"
+                ) from None
+        everything = "yes" in _values(form, "all")
+        if not (run_ids or queues or tasks or older_than or everything):
+            raise ActionInputError(
+                "choose the runs: a run id, a queue, a task or an age, or tick 'every failed run'"
+            )
+        filters = dlq.DeadLetterFilter(
+            tasks=tuple(tasks), queues=tuple(queues), older_than=older_than, run_ids=frozenset(run_ids)
+        )
+        return RequeueParams(filters=filters, everything=everything)
+
+    def preview(self, context: ActionContext, params: RequeueParams) -> ActionReport:
+        report = requeue.requeue(
+            context.engine, context.sqs(), context.settings, params.filters, dry_run=True
+        )
+        return self._report(report)
+
+    def perform(self, context: ActionContext, params: RequeueParams) -> ActionReport:
+        report = requeue.requeue(
+            context.engine,
+            context.sqs(),
+            context.settings,
+            params.filters,
+            dry_run=False,
+            waker=context.waker(),
+            operator=context.identity.actor,
+        )
+        return self._report(report)
+
+    @staticmethod
+    def _report(report: requeue.RequeueReport) -> ActionReport:
+        verb = "would requeue" if report.dry_run else "requeued"
+        summary = f"{verb} {report.requeued}, skipped {report.skipped}"
+        if report.requeued and not report.dry_run:
+            summary += " (relay woken)" if report.woke else " (the relay's sweep will send them)"
+        if not report.items:
+            summary = "no dead-lettered run matches"
+        rows = []
+        for item in report.items:
+            copies = (
+                f"{item.dlq_deleted}/{len(item.dlq_message_ids)} deleted" if item.dlq_message_ids else "-"
+            )
+            rows.append(
+                (
+                    Cell(str(item.run_id) if item.run_id else "-", item.run_id),
+                    Cell(item.task or "-"),
+                    Cell(item.queue or "-"),
+                    Cell("-" if item.tenant_id is None else str(item.tenant_id)),
+                    Cell(item.action),
+                    Cell(item.outbox or "-"),
+                    Cell(copies),
+                    Cell(f"{item.reason}: {item.detail}" if item.reason else "-"),
+                )
+            )
+        return ActionReport(
+            summary=summary,
+            columns=("run", "task", "queue", "tenant", "action", "outbox", "DLQ copies", "reason"),
+            rows=rows,
+            changed=0 if report.dry_run else report.requeued,
+            notes=[
+                f"missing DLQ {name} (run `python -m sqla_outbox provision`)"
+                for name in report.missing_queues
+            ],
+        )
+
+
+def default_actions() -> ActionRegistry:
+    """The actions that exist today: :class:`DlqRequeue`."""
+    return ActionRegistry([DlqRequeue()])

@@ -1,0 +1,747 @@
+"""The dashboard as an ASGI application (Starlette): pages, actions, authentication, CSRF.
+
+:func:`create_app` builds it; ``python -m sqla_outbox dashboard`` serves it with uvicorn,
+and an application mounts the same object inside its own (``docs/dashboard.md``).
+
+Pages are rendered on the server (Jinja2, autoescaped, every printed string passed
+through :func:`sqla_outbox.dashboard.untrusted.visible`); the overview refreshes itself
+with htmx (``static/htmx.min.js``, vendored). Reads use their own engine whose sessions
+are read-only (``default_transaction_read_only``) and bounded
+(``statement_timeout``); the overview's readings run in parallel, one connection each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlencode, urlsplit
+
+import jinja2
+import sqlalchemy as sa
+from markupsafe import Markup
+from sqlalchemy.engine import Connection, Engine
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.sessions import SessionMiddleware
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route, Router
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from sqla_outbox import errors, migrations
+from sqla_outbox.catalog import Catalog
+from sqla_outbox.config import OutboxSettings, redact_url
+from sqla_outbox.dashboard import queries, views
+from sqla_outbox.dashboard.actions import (
+    Action,
+    ActionContext,
+    ActionInputError,
+    ActionRegistry,
+    default_actions,
+)
+from sqla_outbox.dashboard.auth import SESSION_COOKIE, Auth, Forbidden, Identify, Identity, Unauthenticated
+from sqla_outbox.dashboard.untrusted import visible
+from sqla_outbox.logging import log_extra
+from sqla_outbox.ops import dlq, requeue, runs
+from sqla_outbox.relay import scheduling_catalog
+from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
+from sqla_outbox.wakeup import Waker
+
+logger = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+STATEMENT_TIMEOUT_MS = 10_000
+DLQ_LIST_LIMIT = 200
+
+T = TypeVar("T")
+
+
+class Dashboard:
+    """The resources the requests of one dashboard application share, created on first use
+    (a mounted application gets no lifespan events, so nothing is opened at start).
+
+    Args:
+        settings: The database, SQS, Valkey and dashboard settings.
+        engine: The application's own engine for the outbox database; None: the
+            dashboard creates a read-only one for pages and one for actions.
+        actions: The actions offered.
+        auth: Authentication and CSRF rules.
+    """
+
+    def __init__(
+        self, settings: OutboxSettings, *, engine: Engine | None, actions: ActionRegistry, auth: Auth
+    ) -> None:
+        self.settings = settings
+        self.actions = actions
+        self.auth = auth
+        self._given_engine = engine
+        self._read_engine: Engine | None = None
+        self._write_engine: Engine | None = None
+        self._sqs: Any = None
+        self._waker: Waker | None = None
+        self._lock = threading.Lock()
+        self.activity_cache = queries.ActivityCache()
+
+    # --- resources -----------------------------------------------------------------------
+    def _engine(self, *, read_only: bool) -> Engine:
+        options = f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"
+        if read_only:
+            options += " -c default_transaction_read_only=on"
+        return sa.create_engine(
+            self.settings.sqlalchemy_url,
+            pool_size=5 if read_only else 1,
+            max_overflow=5 if read_only else 2,
+            pool_pre_ping=True,
+            connect_args={
+                "connect_timeout": 10,
+                "application_name": "sqla_outbox-dashboard",
+                "options": options,
+            },
+        )
+
+    def read_engine(self) -> Engine:
+        if self._given_engine is not None:
+            return self._given_engine
+        with self._lock:
+            if self._read_engine is None:
+                self._read_engine = self._engine(read_only=True)
+            return self._read_engine
+
+    def write_engine(self) -> Engine:
+        if self._given_engine is not None:
+            return self._given_engine
+        with self._lock:
+            if self._write_engine is None:
+                self._write_engine = self._engine(read_only=False)
+            return self._write_engine
+
+    def sqs(self) -> Any:
+        """The boto3 SQS client (short timeouts, one retry: an operator is waiting)."""
+        with self._lock:
+            if self._sqs is None:
+                from sqla_outbox.sqs.client import make_client
+
+                self._sqs = make_client(
+                    self.settings, max_pool_connections=8, read_timeout_seconds=15, max_attempts=2
+                )
+            return self._sqs
+
+    def waker(self) -> Waker | None:
+        """The Valkey waker when that wake is in force (a requeue NOTIFYs by itself)."""
+        if self.settings.wake_valkey_url is None:
+            return None
+        with self._lock:
+            if self._waker is None:
+                self._waker = Waker(self.settings)
+            return self._waker
+
+    def read(self, reading: Callable[[Connection], T]) -> T:
+        """Run ``reading`` on a pooled read-only connection (blocking: call it in a thread)."""
+        with self.read_engine().connect() as connection:
+            return reading(connection)
+
+    def close(self) -> None:
+        """Dispose of the engines the dashboard created, close its SQS client, stop its waker."""
+        with self._lock:
+            for engine in (self._read_engine, self._write_engine):
+                if engine is not None:
+                    engine.dispose()
+            self._read_engine = self._write_engine = None
+            if self._waker is not None:
+                self._waker.close()
+                self._waker = None
+            if self._sqs is not None:
+                self._sqs.close()
+                self._sqs = None
+
+
+def _finalize(value: Any) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, str) and not isinstance(value, Markup):
+        return visible(value)
+    return value
+
+
+def _templates() -> Jinja2Templates:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(HERE / "templates"),
+        autoescape=True,
+        finalize=_finalize,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(
+        when=views.when,
+        age=views.age,
+        count=views.count,
+        pretty_json=views.pretty_json,
+        short_id=views.short_id,
+    )
+    return Jinja2Templates(env=env)
+
+
+def _form_values(form: Iterable[tuple[str, Any]]) -> dict[str, list[str]]:
+    values: dict[str, list[str]] = {}
+    for key, value in form:
+        if isinstance(value, str):
+            values.setdefault(key, []).append(value)
+    return values
+
+
+def _safe_next(target: str | None, default: str) -> str:
+    """A redirect target that stays on this site: a path, never ``//host`` or a URL."""
+    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+        return default
+    parts = urlsplit(target)
+    return target if not parts.scheme and not parts.netloc else default
+
+
+class Pages:
+    """The endpoints, bound to one :class:`Dashboard`."""
+
+    def __init__(self, dashboard: Dashboard) -> None:
+        self.dashboard = dashboard
+        self.settings = dashboard.settings
+        self.auth = dashboard.auth
+        self.templates = _templates()
+        self.router: Router | None = None
+
+    # --- rendering -------------------------------------------------------------------------
+    def path(self, request: Request, route: str, /, **params: Any) -> str:
+        """The path of the dashboard's ``route``, under the prefix it is mounted at
+        (``root_path``). Resolved in the dashboard's own routes, so a mounting
+        application's routes of the same name never shadow them."""
+        assert self.router is not None
+        root = str(request.scope.get("root_path", "")).rstrip("/")
+        return root + str(self.router.url_path_for(route, **params))
+
+    def render(
+        self, request: Request, template: str, identity: Identity, status_code: int = 200, **context: Any
+    ) -> Response:
+        def url(route: str, query: dict[str, Any] | None = None, /, **path: Any) -> str:
+            base = self.path(request, route, **path)
+            kept = {k: v for k, v in (query or {}).items() if v not in (None, "")}
+            return f"{base}?{urlencode(kept)}" if kept else base
+
+        context.update(
+            request=request,
+            identity=identity,
+            url=url,
+            csrf_token=self.auth.csrf_token(request),
+            actions_enabled=self.settings.dashboard_actions,
+            can_act=self.settings.dashboard_actions and identity.authenticated,
+            login_page=self.auth.uses_login_page,
+            refresh_seconds=self.settings.dashboard_refresh_seconds,
+            show_payloads=self.settings.dashboard_show_payloads,
+            run_statuses=RUN_STATUSES,
+            queue_names=QUEUE_NAMES,
+        )
+        context.setdefault("page", template.removesuffix(".html").lstrip("_"))
+        response = self.templates.TemplateResponse(request, template, context, status_code=status_code)
+        response.headers["Cache-Control"] = "no-store"
+        return response
+
+    # --- overview --------------------------------------------------------------------------
+    async def _overview(self) -> dict[str, Any]:
+        read = self.dashboard.read
+        (pending, tenants), statuses, now = await asyncio.gather(
+            run_in_threadpool(read, queries.backlog),
+            run_in_threadpool(read, queries.status_counts),
+            run_in_threadpool(read, queries.database_now),
+        )
+        return {"pending": pending, "tenants": tenants, "statuses": statuses, "now": now}
+
+    async def overview(self, request: Request) -> Response:
+        """The overview: the numbers now; the charts follow as a fragment (``overview_charts``)
+        that the page loads at once, so the backlog shows without waiting for the hour's
+        history."""
+        identity = self.auth.identity(request)
+        return self.render(request, "overview.html", identity, **await self._overview())
+
+    async def overview_live(self, request: Request) -> Response:
+        identity = self.auth.identity(request)
+        return self.render(request, "_overview_live.html", identity, **await self._overview())
+
+    async def overview_charts(self, request: Request) -> Response:
+        identity = self.auth.identity(request)
+        cache = self.dashboard.activity_cache
+        activity = await run_in_threadpool(self.dashboard.read, lambda c: queries.activity(c, cache=cache))
+        throughput, latency = views.activity_charts(activity)
+        return self.render(
+            request,
+            "_overview_charts.html",
+            identity,
+            activity=activity,
+            throughput=throughput,
+            latency=latency,
+            page="overview",
+        )
+
+    # --- runs --------------------------------------------------------------------------------
+    async def runs_list(self, request: Request) -> Response:
+        identity = self.auth.identity(request)
+        size = views.RUNS_PAGE_SIZE
+        try:
+            query = views.runs_query(dict(request.query_params), limit=size + 1)
+        except views.FilterError as exc:
+            return self.render(
+                request,
+                "runs.html",
+                identity,
+                400,
+                error=str(exc),
+                values=_raw_filters(request),
+                rows=[],
+                **_no_pages(),
+            )
+        found = await run_in_threadpool(self.dashboard.read, lambda c: runs.list_runs(c, query.filters))
+        more = len(found) > size
+        if query.filters.after is not None:  # going back: the extra row is the newest one
+            rows, has_newer, has_older = (found[1:] if more else found), more, True
+        else:
+            rows, has_newer, has_older = found[:size], query.filters.before is not None, more
+        newer = rows[0] if rows and has_newer else None
+        older = rows[-1] if rows and has_older else None
+        return self.render(
+            request,
+            "runs.html",
+            identity,
+            values=query.values,
+            rows=rows,
+            error=None,
+            newer=None if newer is None else runs.RunCursor(newer.created_at, newer.run_id).encode(),
+            older=None if older is None else runs.RunCursor(older.created_at, older.run_id).encode(),
+        )
+
+    async def run_page(self, request: Request) -> Response:
+        identity = self.auth.identity(request)
+        try:
+            run_id = uuid.UUID(str(request.path_params["run_id"]))
+        except ValueError:
+            raise HTTPException(404, "no such run") from None
+
+        def reading(connection: Connection) -> tuple[runs.RunDetail, queries.OutboxState | None]:
+            return runs.get_run(connection, run_id, with_traceback=True), queries.outbox_row(
+                connection, run_id
+            )
+
+        try:
+            detail, outbox = await run_in_threadpool(self.dashboard.read, reading)
+        except errors.RunNotFound:
+            raise HTTPException(404, f"no run {run_id}") from None
+        envelope = outbox.envelope if outbox is not None else {}
+        result = getattr(detail.run, "result", None)
+        return self.render(
+            request,
+            "run.html",
+            identity,
+            run=detail.run,
+            trail=detail.trail,
+            attempts=views.attempts(detail.trail),
+            outbox=outbox,
+            envelope=views.envelope_metadata(envelope),
+            payload=views.payload_text(envelope) if self.settings.dashboard_show_payloads else None,
+            result=None if result is None else views.pretty_json(result),
+            has_result_column=hasattr(detail.run, "result"),
+            run_actions=self.dashboard.actions.for_run(detail.run),
+        )
+
+    # --- DLQ ----------------------------------------------------------------------------------
+    async def dlq_page(self, request: Request) -> Response:
+        identity = self.auth.identity(request)
+        try:
+            query = views.dlq_query(dict(request.query_params))
+        except views.FilterError as exc:
+            return self.render(
+                request,
+                "dlq.html",
+                identity,
+                400,
+                error=str(exc),
+                values=_raw_filters(request),
+                listing=None,
+                rows=[],
+                sqs_error=None,
+                action=self.dashboard.actions.get("dlq-requeue"),
+            )
+        filters = dlq.DeadLetterFilter(tasks=query.tasks, queues=query.queues, older_than=query.older_than)
+        sqs_error = None
+        listing = None
+        run_errors: dict[uuid.UUID, queries.RunError] = {}
+        try:
+            listing = await self._dead_letters(filters)
+            ids = [x.run_id for x in listing.letters if x.run_id is not None]
+            run_errors = await run_in_threadpool(self.dashboard.read, lambda c: queries.errors_of(c, ids))
+            listing.letters = [
+                dataclasses.replace(x, run_status=run_errors[x.run_id].status)
+                if x.run_id in run_errors
+                else x
+                for x in listing.letters
+            ]
+        except sa.exc.DBAPIError:
+            raise
+        except Exception as exc:  # SQS (or its configuration): shown on the page, filters kept
+            from sqla_outbox.sqs.client import error_code
+
+            first = next((line for line in str(exc).splitlines() if line.strip()), "")
+            sqs_error = redact_url(f"{error_code(exc)}: {first}"[:400])
+            logger.warning(
+                "dashboard could not read the DLQs",
+                extra=log_extra(action="dashboard.dlq_failed", error_code=error_code(exc)),
+            )
+        rows = [
+            {
+                "letter": letter,
+                "error": run_errors.get(letter.run_id) if letter.run_id else None,
+                "requeueable": letter.run_id is not None
+                and letter.run_status == "failed"
+                and not requeue.is_foreign(letter),
+            }
+            for letter in (listing.letters if listing is not None else [])
+        ]
+        return self.render(
+            request,
+            "dlq.html",
+            identity,
+            values=query.values,
+            listing=listing,
+            rows=rows,
+            sqs_error=sqs_error,
+            error=None,
+            action=self.dashboard.actions.get("dlq-requeue"),
+        )
+
+    async def _dead_letters(self, filters: dlq.DeadLetterFilter) -> dlq.DeadLetterListing:
+        """:func:`sqla_outbox.ops.dlq.list_dead_letters`, the four DLQs scanned at once (one
+        thread each: the page waits for the slowest queue, not for the sum of them)."""
+        sqs = await run_in_threadpool(self.dashboard.sqs)
+        parts = await asyncio.gather(
+            *(
+                run_in_threadpool(
+                    dlq.list_dead_letters,
+                    sqs,
+                    self.settings,
+                    dataclasses.replace(filters, queues=(queue,)),
+                    limit=DLQ_LIST_LIMIT,
+                )
+                for queue in filters.scanned_queues()
+            )
+        )
+        listing = dlq.DeadLetterListing(letters=[], scanned={}, missing_queues=[])
+        for part in parts:
+            listing.letters += part.letters
+            listing.scanned.update(part.scanned)
+            listing.missing_queues += part.missing_queues
+            listing.truncated = listing.truncated or part.truncated
+        if len(listing.letters) > DLQ_LIST_LIMIT:
+            listing.letters, listing.truncated = listing.letters[:DLQ_LIST_LIMIT], True
+        return listing
+
+    # --- schedules, controls -----------------------------------------------------------------
+    async def schedules_page(self, request: Request) -> Response:
+        identity = self.auth.identity(request)
+        catalog_error = None
+        try:
+            catalog = await run_in_threadpool(scheduling_catalog, self.settings, warn=False)
+        except errors.CatalogError as exc:
+            catalog_error = str(exc)
+            catalog = Catalog.from_dict({"version": 1, "tasks": {}, "events": {}})
+        now, states = await run_in_threadpool(self.dashboard.read, lambda c: queries.schedules(c, catalog))
+        return self.render(
+            request,
+            "schedules.html",
+            identity,
+            now=now,
+            schedules=states,
+            catalog_error=catalog_error,
+            catalog_path=self.settings.catalog_path,
+        )
+
+    async def controls_page(self, request: Request) -> Response:
+        identity = self.auth.identity(request)
+        return self.render(
+            request, "controls.html", identity, controls=self.dashboard.actions.in_place("controls")
+        )
+
+    # --- login --------------------------------------------------------------------------------
+    async def login(self, request: Request) -> Response:
+        home = self.path(request, "overview")
+        if not self.auth.uses_login_page:
+            return RedirectResponse(home, status_code=303)
+        target = _safe_next(request.query_params.get("next"), home)
+        error = None
+        status_code = 200
+        if request.method == "POST":
+            form = _form_values((await request.form()).multi_items())
+            self.auth.check_csrf(request, next(iter(form.get("csrf_token", [])), None))
+            token = (form.get("token") or [""])[0]
+            name = (form.get("name") or [""])[0]
+            target = _safe_next(next(iter(form.get("next", [])), None), home)
+            if self.auth.log_in(request, token, name):
+                logger.info("dashboard login", extra=log_extra(action="dashboard.login", operator=name[:64]))
+                return RedirectResponse(target, status_code=303)
+            error, status_code = "That token is not the dashboard's token.", 401
+        anonymous = Identity("anonymous", "anonymous")
+        return self.render(request, "login.html", anonymous, status_code, error=error, next=target)
+
+    async def logout(self, request: Request) -> Response:
+        form = _form_values((await request.form()).multi_items())
+        self.auth.check_csrf(request, next(iter(form.get("csrf_token", [])), None))
+        self.auth.log_out(request)
+        return RedirectResponse(self.path(request, "login"), status_code=303)
+
+    # --- actions ------------------------------------------------------------------------------
+    async def _action_request(self, request: Request) -> tuple[Identity, Action, dict[str, list[str]], Any]:
+        action = self.dashboard.actions.get(str(request.path_params["name"]))
+        if action is None:
+            raise HTTPException(404, "no such action")
+        if not self.settings.dashboard_actions:
+            raise Forbidden(
+                "actions are disabled: the dashboard is read-only (SQLA_OUTBOX_DASHBOARD_ACTIONS)"
+            )
+        identity = self.auth.identity(request)
+        if not identity.authenticated:
+            raise Forbidden("actions need an authenticated operator; sign in first")
+        form = _form_values((await request.form()).multi_items())
+        self.auth.check_csrf(request, next(iter(form.get("csrf_token", [])), None))
+        fields = {k: v for k, v in form.items() if k not in ("csrf_token", "confirmed")}
+        return identity, action, fields, action.parse(fields)
+
+    def _context(self, identity: Identity) -> ActionContext:
+        return ActionContext(
+            settings=self.settings,
+            engine=self.dashboard.write_engine(),
+            identity=identity,
+            sqs=self.dashboard.sqs,
+            waker=self.dashboard.waker,
+        )
+
+    async def action_preview(self, request: Request) -> Response:
+        try:
+            identity, action, fields, params = await self._action_request(request)
+        except ActionInputError as exc:
+            return self._input_error(request, exc)
+        report = await run_in_threadpool(action.preview, self._context(identity), params)
+        return self.render(
+            request,
+            "action_confirm.html",
+            identity,
+            action=action,
+            report=report,
+            fields=fields,
+            page="action",
+        )
+
+    async def action_perform(self, request: Request) -> Response:
+        try:
+            identity, action, fields, params = await self._action_request(request)
+        except ActionInputError as exc:
+            return self._input_error(request, exc)
+        form = await request.form()
+        if form.get("confirmed") != "yes":
+            return self._input_error(request, ActionInputError("confirm the action on its confirmation page"))
+        report = await run_in_threadpool(action.perform, self._context(identity), params)
+        logger.info(
+            "dashboard action",
+            extra=log_extra(
+                action="dashboard.action",
+                name=action.name,
+                operator=identity.actor,
+                changed=report.changed,
+                summary=report.summary,
+                fields=json.dumps(fields, sort_keys=True)[:500],
+            ),
+        )
+        return self.render(
+            request, "action_result.html", identity, action=action, report=report, page="action"
+        )
+
+    def _input_error(self, request: Request, exc: ActionInputError) -> Response:
+        identity = self.auth.identity(request)
+        return self.render(
+            request, "error.html", identity, 400, title="Cannot do that", message=str(exc), page="action"
+        )
+
+    # --- errors -------------------------------------------------------------------------------
+    async def unauthenticated(self, request: Request, exc: Exception) -> Response:
+        htmx = request.headers.get("hx-request") == "true"
+        if self.auth.uses_login_page and request.method == "GET" and not htmx:
+            login = self.path(request, "login")
+            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            return RedirectResponse(f"{login}?{urlencode({'next': target})}", status_code=303)
+        headers = {"WWW-Authenticate": 'Basic realm="sqla_outbox dashboard"'} if self.auth.basic else {}
+        if htmx and self.auth.uses_login_page:
+            headers["HX-Redirect"] = self.path(request, "login")
+        return PlainTextResponse("authentication required\n", status_code=401, headers=headers)
+
+    async def forbidden(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, Forbidden)
+        try:
+            identity = self.auth.identity(request)
+        except Unauthenticated:
+            return PlainTextResponse(f"forbidden: {exc.reason}\n", status_code=403)
+        return self.render(
+            request, "error.html", identity, 403, title="Refused", message=exc.reason, page="error"
+        )
+
+    async def http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        try:
+            identity = self.auth.identity(request)
+        except Unauthenticated:
+            return PlainTextResponse(f"{exc.detail}\n", status_code=exc.status_code)
+        return self.render(
+            request,
+            "error.html",
+            identity,
+            exc.status_code,
+            title="Not found",
+            message=str(exc.detail),
+            page="error",
+        )
+
+    async def database_error(self, request: Request, exc: Exception) -> Response:
+        if migrations.is_missing_outbox_table(exc):
+            message = migrations.missing_tables_message(redact_url(self.settings.database_url))
+        else:
+            cause = getattr(exc, "orig", None) or exc
+            first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
+            message = redact_url(f"cannot read the outbox database: {type(cause).__name__}: {first}"[:400])
+        logger.warning("dashboard database error", extra=log_extra(action="dashboard.database_error"))
+        try:
+            identity = self.auth.identity(request)
+        except Unauthenticated:
+            return PlainTextResponse("database unavailable\n", status_code=503)
+        return self.render(
+            request, "error.html", identity, 503, title="Database unavailable", message=message, page="error"
+        )
+
+
+def _raw_filters(request: Request) -> dict[str, str]:
+    return {k: v[:200] for k, v in request.query_params.items()}
+
+
+def _no_pages() -> dict[str, Any]:
+    return {"newer": None, "older": None}
+
+
+def create_app(
+    settings: OutboxSettings | None = None,
+    *,
+    engine: Engine | None = None,
+    identify: Identify | None = None,
+    secret_key: str | None = None,
+    actions: ActionRegistry | None = None,
+    https_only: bool = False,
+) -> Starlette:
+    """The dashboard as an ASGI application.
+
+    Args:
+        settings: Database, SQS, Valkey and ``dashboard_*`` settings; default
+            :meth:`OutboxSettings.from_env`.
+        engine: An engine of the application's for the outbox database; default: the
+            dashboard's own (read-only for pages, with a 10 s statement timeout).
+        identify: For an application that mounts the dashboard behind its own
+            authentication: returns the operator's name for a request, or None to refuse
+            it (401). Used only when the settings set neither ``dashboard_token`` nor
+            ``dashboard_basic_auth``.
+        secret_key: Signs the session cookie; give the same one to every replica when
+            the dashboard has no token or basic auth of its own (default: derived from
+            those, else random per process).
+        actions: The actions offered (default :func:`default_actions`); register new
+            controls here.
+        https_only: Mark the session cookie ``Secure`` (serve the dashboard over HTTPS).
+
+    Returns:
+        A Starlette application; ``app.state.dashboard`` is its :class:`Dashboard`
+        (call ``close()`` on shutdown to release its connections).
+    """
+    settings = settings if settings is not None else OutboxSettings.from_env()
+    auth = Auth(settings, identify=identify, secret_key=secret_key)
+    dashboard = Dashboard(settings, engine=engine, actions=actions or default_actions(), auth=auth)
+    pages = Pages(dashboard)
+    routes = [
+        Route("/", pages.overview, name="overview"),
+        Route("/overview/live", pages.overview_live, name="overview_live"),
+        Route("/overview/charts", pages.overview_charts, name="overview_charts"),
+        Route("/runs", pages.runs_list, name="runs"),
+        Route("/runs/{run_id}", pages.run_page, name="run"),
+        Route("/dlq", pages.dlq_page, name="dlq"),
+        Route("/schedules", pages.schedules_page, name="schedules"),
+        Route("/controls", pages.controls_page, name="controls"),
+        Route("/login", pages.login, methods=["GET", "POST"], name="login"),
+        Route("/logout", pages.logout, methods=["POST"], name="logout"),
+        Route("/actions/{name}/preview", pages.action_preview, methods=["POST"], name="action_preview"),
+        Route("/actions/{name}", pages.action_perform, methods=["POST"], name="action"),
+        Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+    middleware = [
+        Middleware(
+            SessionMiddleware,
+            secret_key=auth.secret_key,
+            session_cookie=SESSION_COOKIE,
+            same_site="strict",
+            https_only=https_only,
+            max_age=12 * 3600,
+        ),
+        Middleware(_SecurityHeaders),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={
+            Unauthenticated: pages.unauthenticated,
+            Forbidden: pages.forbidden,
+            HTTPException: pages.http_error,
+            sa.exc.DBAPIError: pages.database_error,
+        },
+    )
+    app.state.dashboard = dashboard
+    pages.router = app.router
+    return app
+
+
+class _SecurityHeaders:
+    """Headers on every response: no framing, no sniffing, scripts only from the dashboard
+    itself (``Content-Security-Policy``), no referrer leaking run ids."""
+
+    HEADERS = (
+        (b"x-frame-options", b"DENY"),
+        (b"x-content-type-options", b"nosniff"),
+        (b"referrer-policy", b"same-origin"),
+        (
+            b"content-security-policy",
+            b"default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+            b"object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'",
+        ),
+    )
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                present = {name.lower() for name, _ in headers}
+                headers += [(k, v) for k, v in self.HEADERS if k not in present]
+                message["headers"] = headers
+            await send(message)
+
+        await self.app(scope, receive, sending)

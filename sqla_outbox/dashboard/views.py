@@ -1,0 +1,264 @@
+"""What the pages show, prepared from query results: filters read from URLs, a run's attempts,
+the envelope without its payload, template filters. No I/O here."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sqla_outbox.dashboard import charts, queries
+from sqla_outbox.ops.durations import format_age, parse_duration
+from sqla_outbox.ops.runs import DEFAULT_LIMIT, RunCursor, RunFilter, TrailEntry
+from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
+
+RUNS_PAGE_SIZE = DEFAULT_LIMIT
+TASK_NAME_MAX_CHARS = 200
+
+
+class FilterError(ValueError):
+    """A filter in the URL is invalid (the page says which, with status 400)."""
+
+
+# --- runs list filters ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RunsQuery:
+    """The Runs page's filters as given in the URL (kept as text to refill the form) and
+    the :class:`~sqla_outbox.ops.runs.RunFilter` they mean."""
+
+    values: dict[str, str]
+    filters: RunFilter
+
+
+def _utc(text: str, field: str) -> dt.datetime:
+    """``2026-11-30T10:15`` (a datetime-local input: UTC) or an ISO time with an offset."""
+    try:
+        parsed = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise FilterError(f"{field}: {text!r} is not a date and time (2026-11-30T10:15)") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
+def runs_query(params: Mapping[str, str], *, limit: int = RUNS_PAGE_SIZE) -> RunsQuery:
+    """Read the Runs page's query parameters.
+
+    Args:
+        params: ``task``, ``tenant`` (an id or ``platform``), ``queue``, ``status``,
+            ``since`` / ``until`` (UTC), ``before`` / ``after`` (cursors).
+        limit: Rows asked for (the page size plus one, to know if there is more).
+
+    Raises:
+        FilterError: A parameter is invalid; the message names it.
+    """
+    values = {k: params.get(k, "").strip() for k in ("task", "tenant", "queue", "status", "since", "until")}
+    tenant: int | str | None = None
+    if values["tenant"]:
+        if values["tenant"] == "platform":
+            tenant = "platform"
+        else:
+            try:
+                tenant = int(values["tenant"], 10)
+            except ValueError:
+                raise FilterError(
+                    f"tenant: {values['tenant']!r} is neither a tenant id nor 'platform'"
+                ) from None
+    if values["queue"] and values["queue"] not in QUEUE_NAMES:
+        raise FilterError(f"queue: {values['queue']!r} is not one of {', '.join(QUEUE_NAMES)}")
+    if values["status"] and values["status"] not in RUN_STATUSES:
+        raise FilterError(f"status: {values['status']!r} is not one of {', '.join(RUN_STATUSES)}")
+    if len(values["task"]) > TASK_NAME_MAX_CHARS:
+        raise FilterError(f"task: at most {TASK_NAME_MAX_CHARS} characters")
+    cursors: dict[str, RunCursor | None] = {}
+    for name in ("before", "after"):
+        raw = params.get(name, "").strip()
+        try:
+            cursors[name] = RunCursor.decode(raw) if raw else None
+        except Exception:
+            raise FilterError(f"{name}: not a position in the run list") from None
+    if cursors["before"] is not None and cursors["after"] is not None:
+        raise FilterError("give one of before and after")
+    filters = RunFilter(
+        tasks=(values["task"],) if values["task"] else (),
+        statuses=(values["status"],) if values["status"] else (),
+        queues=(values["queue"],) if values["queue"] else (),
+        tenant_id=tenant,
+        created_after=_utc(values["since"], "since") if values["since"] else None,
+        created_before=_utc(values["until"], "until") if values["until"] else None,
+        before=cursors["before"],
+        after=cursors["after"],
+        limit=limit,
+    )
+    return RunsQuery(values=values, filters=filters)
+
+
+# --- DLQ filters ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DlqQuery:
+    values: dict[str, str]
+    queues: tuple[str, ...]
+    tasks: tuple[str, ...]
+    older_than: dt.timedelta | None
+
+
+def dlq_query(params: Mapping[str, str]) -> DlqQuery:
+    """The DLQ page's filters: ``queue``, ``task``, ``older_than`` (``10m``, ``2h``, ``7d``).
+
+    Raises:
+        FilterError: A parameter is invalid.
+    """
+    values = {k: params.get(k, "").strip() for k in ("queue", "task", "older_than")}
+    if values["queue"] and values["queue"] not in QUEUE_NAMES:
+        raise FilterError(f"queue: {values['queue']!r} is not one of {', '.join(QUEUE_NAMES)}")
+    if len(values["task"]) > TASK_NAME_MAX_CHARS:
+        raise FilterError(f"task: at most {TASK_NAME_MAX_CHARS} characters")
+    older_than = None
+    if values["older_than"]:
+        try:
+            older_than = parse_duration(values["older_than"])
+        except Exception:
+            raise FilterError(
+                f"older than: {values['older_than']!r} is not a duration (90s, 10m, 2h, 7d)"
+            ) from None
+    return DlqQuery(
+        values=values,
+        queues=(values["queue"],) if values["queue"] else (),
+        tasks=(values["task"],) if values["task"] else (),
+        older_than=older_than,
+    )
+
+
+# --- a run's attempts ----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class AttemptView:
+    """One handler attempt, folded from the trail rows that carry its number."""
+
+    number: int
+    started_at: dt.datetime | None
+    ended_at: dt.datetime
+    outcome: str
+    worker_id: str | None
+    receive_count: int | None
+    error_type: str | None
+    error_message: str | None
+
+
+def attempts(trail: Sequence[TrailEntry]) -> list[AttemptView]:
+    """The run's attempts, oldest first (trail rows without an attempt number, such as an
+    operator's requeue, belong to none)."""
+    grouped: dict[int, list[TrailEntry]] = {}
+    for entry in trail:
+        if entry.attempt is not None and entry.attempt > 0:
+            grouped.setdefault(entry.attempt, []).append(entry)
+    out = []
+    for number, entries in sorted(grouped.items()):
+        started = next((e.at for e in entries if e.status == "running"), None)
+        failure = next((e for e in reversed(entries) if e.error_type or e.error_message), None)
+        last = entries[-1]
+        out.append(
+            AttemptView(
+                number=number,
+                started_at=started,
+                ended_at=last.at,
+                outcome=last.status,
+                worker_id=last.worker_id,
+                receive_count=last.receive_count,
+                error_type=None if failure is None else failure.error_type,
+                error_message=None if failure is None else failure.error_message,
+            )
+        )
+    return out
+
+
+# --- the envelope --------------------------------------------------------------------------
+ENVELOPE_FIELDS = ("v", "run_id", "task", "queue", "tenant_id", "event", "idempotency_key")
+
+
+def envelope_metadata(envelope: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The envelope's fields except the payload, as ``(name, text)`` (trace context included)."""
+    shown = [(name, _text(envelope.get(name))) for name in ENVELOPE_FIELDS if name in envelope]
+    trace = envelope.get("trace")
+    if isinstance(trace, Mapping):
+        shown += [(f"trace.{key}", _text(value)) for key, value in sorted(trace.items())]
+    extra = sorted(set(envelope) - set(ENVELOPE_FIELDS) - {"trace", "payload"})
+    shown += [(name, _text(envelope[name])) for name in extra]
+    return shown
+
+
+def payload_text(envelope: Mapping[str, Any]) -> str | None:
+    """The payload, pretty-printed when it is JSON text (the envelope keeps it as text)."""
+    payload = envelope.get("payload")
+    if payload is None:
+        return None
+    if isinstance(payload, str):
+        try:
+            return json.dumps(json.loads(payload), indent=2, ensure_ascii=False, sort_keys=True)
+        except ValueError:
+            return payload
+    return json.dumps(payload, indent=2, ensure_ascii=False, sort_keys=True)
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+# --- overview charts -----------------------------------------------------------------------
+def activity_charts(activity: queries.Activity) -> tuple[charts.Chart, charts.Chart]:
+    """The throughput chart (dispatched, finished, failed per minute) and the latency chart
+    (p50, p95, p99 commit → finish of the runs that succeeded)."""
+    minutes = [m.minute for m in activity.minutes]
+    throughput = charts.counts_chart(
+        "Runs per minute",
+        minutes,
+        [
+            ("dispatched", "s-dispatched", [m.dispatched for m in activity.minutes]),
+            ("finished", "s-finished", [m.finished for m in activity.minutes]),
+            ("failed", "s-failed", [m.failed for m in activity.minutes]),
+        ],
+    )
+    names = [f"p{round(p * 100)}" for p in queries.LATENCY_PERCENTILES]
+    latency = charts.latency_chart(
+        "Commit → finish latency (succeeded runs)",
+        minutes,
+        [
+            (
+                name,
+                f"s-{name}",
+                [m.latency_seconds[i] if m.latency_seconds else None for m in activity.minutes],
+            )
+            for i, name in enumerate(names)
+        ],
+    )
+    return throughput, latency
+
+
+# --- template filters ----------------------------------------------------------------------
+def when(value: dt.datetime | None) -> str:
+    """``2026-11-30 13:45:12Z`` (UTC, to the second); ``-`` for None."""
+    if value is None:
+        return "-"
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def age(seconds: float | None) -> str:
+    return format_age(seconds)
+
+
+def count(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def pretty_json(value: Any) -> str:
+    if value is None:
+        return ""
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, default=str)
+
+
+def short_id(value: uuid.UUID | str | None) -> str:
+    return "-" if value is None else str(value)[:8]

@@ -1,0 +1,559 @@
+"""The dashboard over HTTP (uvicorn) against real PostgreSQL, Redis and moto SQS.
+
+Failed runs come from the worker's own permanent path (``fail_into_dlq``); pages are read
+as a browser reads them (HTML over HTTP), and actions change real rows and messages. The
+browser-driven flows (live refresh, clicking through) are in
+``tests/e2e/test_dashboard_browser.py``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import html
+import json
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from sqla_outbox import Dispatch
+from sqla_outbox.catalog import Catalog
+from sqla_outbox.config import OutboxSettings
+from sqla_outbox.dashboard import create_app, queries
+from sqla_outbox.relay import Relay
+from sqla_outbox.relay.schedule import Scheduler, latest_slot, next_slot, slot_run_id
+from tests.integration.test_ops import fail_into_dlq, outbox_row
+from tests.support import csrf_token, receive_all, serve_asgi, status_of, trail
+
+TOKEN = "t0ken-for-the-dashboard-tests"
+SECRET = "s3cr3t-card-4242"
+
+
+@pytest.fixture
+def ops_settings(settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]) -> OutboxSettings:
+    return settings.replace(sqs_endpoint_url=sqs_endpoint)
+
+
+@pytest.fixture
+def serve(ops_settings: OutboxSettings) -> Iterator[Callable[..., Any]]:
+    """``serve(**setting_changes, **create_app_kwargs)`` → a context manager yielding an
+    httpx client on a running dashboard."""
+    apps: list[Any] = []
+
+    @contextlib.contextmanager
+    def start(app_kwargs: dict[str, Any] | None = None, **changes: Any) -> Iterator[httpx.Client]:
+        app = create_app(ops_settings.replace(**changes), **(app_kwargs or {}))
+        apps.append(app)
+        with serve_asgi(app) as base, httpx.Client(base_url=base, timeout=30) as client:
+            yield client
+
+    yield start
+    for app in apps:
+        app.state.dashboard.close()
+
+
+def dispatch(app: sessionmaker[Session], task: str, payload: dict[str, Any], **options: Any) -> uuid.UUID:
+    with app() as session, session.begin():
+        item = Dispatch(task, payload, **options)
+        session.add(item)
+    assert item.resolved_run_id is not None
+    return item.resolved_run_id
+
+
+def execute(engine: sa.Engine, sql: str, **params: Any) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text(sql), params)
+
+
+def failed_runs(
+    app: sessionmaker[Session], engine: sa.Engine, sqs: Any, settings: OutboxSettings, n: int = 1
+) -> list[uuid.UUID]:
+    """``n`` charge_card runs (critical queue) failed the worker's way, in the DLQ."""
+    run_ids = [dispatch(app, "charge_card", {"card": SECRET}, tenant_id=3) for _ in range(n)]
+    relay = Relay(settings, engine=engine)
+    relay.run_once()
+    relay.sender.close()
+    fail_into_dlq(engine, sqs, settings, "critical", set(run_ids))
+    return run_ids
+
+
+def cells(page: str, row_attribute: str) -> dict[str, str]:
+    """``{attribute value: the row's text}`` for rows carrying ``row_attribute``."""
+    rows = re.findall(rf'<tr {row_attribute}="([^"]*)"[^>]*>(.*?)</tr>', page, re.S)
+    return {key: re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", body)).strip() for key, body in rows}
+
+
+def logged_fields(record: Any) -> dict[str, Any]:
+    """The structured fields of a log record (``log_extra``)."""
+    from sqla_outbox import logging as outbox_logging
+
+    return dict(getattr(record, outbox_logging._EXTRA_KEY, {}) or {})
+
+
+def logged_in(client: httpx.Client, name: str = "alice") -> str:
+    """Sign in through the login page; return the session's CSRF token."""
+    login = client.get("/login")
+    response = client.post(
+        "/login", data={"csrf_token": csrf_token(login.text), "token": TOKEN, "name": name, "next": "/dlq"}
+    )
+    assert response.status_code == 303 and response.headers["location"] == "/dlq"
+    return csrf_token(client.get("/").text)
+
+
+# --- pages ---------------------------------------------------------------------------------
+
+
+def test_overview_shows_pending_rows_by_queue_and_tenant_runs_by_status_and_the_last_hour(
+    app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
+) -> None:
+    for tenant in (2, 2, 5):
+        dispatch(app, "charge_card", {}, tenant_id=tenant)
+    dispatch(app, "rebuild_cache", {})
+    done, failed = (
+        dispatch(app, "send_welcome", {}, tenant_id=7),
+        dispatch(app, "send_welcome", {}, tenant_id=7),
+    )
+    execute(
+        engine,
+        "UPDATE outbox_messages SET sent_at = clock_timestamp() WHERE run_id IN (:a, :b)",
+        a=done,
+        b=failed,
+    )
+    execute(
+        engine,
+        "UPDATE task_runs SET status = CASE WHEN run_id = :a THEN 'succeeded' ELSE 'failed' END, "
+        "finished_at = created_at + interval '250 milliseconds' WHERE run_id IN (:a, :b)",
+        a=done,
+        b=failed,
+    )
+
+    with serve() as client:
+        page = client.get("/").text
+        live = client.get("/overview/live")
+        charts = client.get("/overview/charts")
+        again = client.get("/overview/charts")
+
+    assert live.status_code == 200 and live.text.lstrip().startswith('<div id="live"')
+    assert 'hx-get="/overview/charts" hx-trigger="load"' in page and 'hx-preserve="true"' in page
+    assert charts.status_code == 200 and charts.text.lstrip().startswith('<div id="charts"')
+    by_queue = cells(page, "data-queue")
+    assert set(by_queue) == {"critical", "maintenance"}
+    assert by_queue["critical"].startswith("outbox_messages critical 3 3 ")
+    assert by_queue["maintenance"].startswith("platform_outbox_messages maintenance 1 1 ")
+    tenants = cells(page, "data-tenant")
+    assert set(tenants) == {"2", "5"} and tenants["2"].startswith("2 2 2 ")
+    counts = dict(re.findall(r'data-status-count="(\w+)" data-count="(\d+)"', page))
+    assert counts == {"queued": "4", "running": "0", "retrying": "0", "succeeded": "1", "failed": "1"}
+    assert 'id="pending-total" data-count="4"' in page
+    minute = re.search(r'<tr data-minute="[^"]+">(.*?)</tr>', charts.text, re.S)
+    assert minute is not None
+    assert re.findall(r'data-(dispatched|finished|failed)="(\d+)"', minute.group(1)) == [
+        ("dispatched", "6"),
+        ("finished", "2"),
+        ("failed", "1"),
+    ]
+    assert "0.250 s" in minute.group(1)  # p50 of the one succeeded run's commit → finish
+    assert charts.text.count("<polyline") >= 3 and again.text.count("<polyline") >= 3
+
+
+def test_status_counts_switch_to_the_planner_estimate_above_the_cap(
+    app: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    for _ in range(5):
+        dispatch(app, "send_welcome", {})
+    execute(engine, "ANALYZE task_runs")
+    with engine.connect() as conn:
+        capped = {c.status: c for c in queries.status_counts(conn, cap=3)}
+        exact = {c.status: c for c in queries.status_counts(conn)}
+    assert capped["queued"].estimated and capped["queued"].count == 5  # ANALYZE saw all 5 rows
+    assert not capped["failed"].estimated and capped["failed"].count == 0
+    assert not exact["queued"].estimated and exact["queued"].count == 5
+
+
+def test_runs_list_filters_and_keyset_pages_reach_every_run_once(
+    app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
+) -> None:
+    with app() as session, session.begin():
+        for i in range(57):
+            session.add(Dispatch("send_welcome", {"i": i}, tenant_id=4 if i % 3 else 9))
+        session.add(Dispatch("audit", {}, tenant_id=9))
+    everything = [
+        str(r.run_id)
+        for r in engine.connect().execute(
+            sa.text("SELECT run_id FROM task_runs ORDER BY created_at DESC, run_id DESC")
+        )
+    ]
+
+    def ids(page: str) -> list[str]:
+        return re.findall(r'<tr data-run-id="([^"]+)"', page)
+
+    def link(page: str, name: str) -> str | None:
+        found = re.search(rf'id="{name}" href="([^"]+)"', page)
+        return html.unescape(found.group(1)) if found else None
+
+    with serve() as client:
+        first = client.get("/runs").text
+        older = link(first, "older")
+        assert ids(first) == everything[:50] and link(first, "newer") is None and older
+        second = client.get(older).text
+        assert ids(second) == everything[50:] and link(second, "older") is None
+        newer = link(second, "newer")
+        assert newer and ids(client.get(newer).text) == everything[:50]
+
+        tenant_9 = client.get("/runs", params={"tenant": "9"}).text
+        assert len(ids(tenant_9)) == 20  # i = 0, 3, ..., 54, and the audit run
+        assert set(ids(client.get("/runs", params={"task": "audit"}).text)) == {everything[0]}
+        since = (dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M")
+        assert ids(client.get("/runs", params={"since": since}).text) == []
+        assert len(ids(client.get("/runs", params={"status": "queued", "queue": "default"}).text)) == 50
+        bad = client.get("/runs", params={"tenant": "nine", "status": "done"})
+    assert (
+        bad.status_code == 400
+        and "tenant: &#39;nine&#39; is neither a tenant id nor &#39;platform&#39;" in bad.text
+    )
+
+
+def test_run_page_shows_the_envelope_attempts_and_trail_and_hides_the_payload(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    sqs: Any,
+    ops_settings: OutboxSettings,
+    serve: Callable[..., Any],
+) -> None:
+    [run_id] = failed_runs(app, engine, sqs, ops_settings)
+    with serve() as client:
+        page = client.get(f"/runs/{run_id}").text
+        missing = client.get(f"/runs/{uuid.uuid4()}")
+        garbage = client.get("/runs/not-a-run")
+    assert SECRET not in page and 'id="payload-hidden"' in page
+    assert f'<td class="mono">{run_id}</td>' in page  # envelope run_id
+    assert "charge_card" in page and "order 7 has no lines" in page and "ValueError" in page
+    assert re.findall(r'data-trail-status="(\w+)"', page) == ["running", "failed", "failed"]
+    assert re.findall(r'<tr data-attempt="(\d+)"', page) == ["1"]
+    assert "Runs do not record a result in this version." in page
+    assert missing.status_code == 404 and garbage.status_code == 404
+
+    with serve(dashboard_show_payloads=True) as client:
+        shown = client.get(f"/runs/{run_id}").text
+    assert 'id="payload"' in shown and SECRET in shown
+
+
+def test_untrusted_text_is_escaped_and_its_invisible_characters_shown(
+    engine: sa.Engine, sqs: Any, queues: dict[str, str], serve: Callable[..., Any]
+) -> None:
+    run_id = uuid.uuid4()
+    hostile_task = "<script>alert(1)</script>"
+    hostile_error = "<img src=x onerror=alert(2)> \x1b[31mred\u202eevil"
+    execute(
+        engine,
+        "INSERT INTO task_runs (run_id, task, queue, tenant_id, status, available_at, last_error_type, "
+        "last_error) VALUES (:r, :t, 'default', 3, 'failed', clock_timestamp(), '<b>Err</b>', :e)",
+        r=run_id,
+        t=hostile_task,
+        e=hostile_error,
+    )
+    execute(
+        engine,
+        "INSERT INTO task_run_trail (run_id, status, worker_id, error_message, detail) "
+        "VALUES (:r, 'failed', '<i>w</i>', :e, CAST(:d AS jsonb))",
+        r=run_id,
+        e=hostile_error,
+        d=json.dumps({"note": "</pre><script>alert(3)</script>"}),
+    )
+    sqs.send_message(
+        QueueUrl=queues["default-dlq"],
+        MessageBody="{}",
+        MessageAttributes={
+            "run_id": {"DataType": "String", "StringValue": str(run_id)},
+            "task": {"DataType": "String", "StringValue": "<svg onload=alert(4)>"},
+            "reason": {"DataType": "String", "StringValue": "<b>permanent</b>"},
+        },
+    )
+    with serve() as client:
+        pages = [
+            client.get("/runs").text,
+            client.get(f"/runs/{run_id}").text,
+            client.get("/dlq").text,
+            client.get("/runs", params={"task": hostile_task}).text,
+        ]
+    for page in pages:
+        assert "<script>alert" not in page and "<img src=x" not in page and "<svg onload" not in page
+        assert "<b>" not in page and "<i>w" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in pages[0]
+    assert "&lt;img src=x onerror=alert(2)&gt; \\x1b[31mred\\u202eevil" in pages[1]
+    assert "&lt;/pre&gt;&lt;script&gt;alert(3)" in pages[1]
+    assert "&lt;svg onload=alert(4)&gt;" in pages[2] and "&lt;b&gt;permanent&lt;/b&gt;" in pages[2]
+
+
+def test_dlq_page_lists_messages_with_reason_and_error_and_leaves_them_in_the_queue(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    sqs: Any,
+    ops_settings: OutboxSettings,
+    queues: dict[str, str],
+    serve: Callable[..., Any],
+) -> None:
+    run_ids = failed_runs(app, engine, sqs, ops_settings, n=2)
+    with serve() as client:
+        page = client.get("/dlq").text
+        filtered = client.get("/dlq", params={"queue": "bulk"}).text
+        bad = client.get("/dlq", params={"older_than": "soon"})
+    rows = cells(page, "data-run-id")
+    assert set(rows) == {str(r) for r in run_ids}
+    for text in rows.values():
+        assert "critical" in text and "charge_card" in text and "permanent-error" in text
+        assert "ValueError : order 7 has no lines" in text and "failed" in text
+    assert SECRET not in page
+    assert 'data-action="dlq-requeue"' not in page  # read-only by default
+    assert cells(filtered, "data-run-id") == {}
+    assert bad.status_code == 400 and "is not a duration" in bad.text
+    assert len(receive_all(sqs, queues["critical-dlq"], expect=2, timeout=10)) == 2  # nothing deleted
+
+
+def test_schedules_page_shows_each_schedules_latest_and_next_slot(
+    engine: sa.Engine, tmp_path: Any, serve: Callable[..., Any]
+) -> None:
+    schedule = {"every_seconds": 3600}
+    catalog = Catalog.from_dict(
+        {
+            "version": 1,
+            "tasks": {
+                "hourly_report": {"queue": "maintenance", "scope": "platform", "schedule": schedule},
+                "nightly": {"queue": "bulk", "scope": "platform", "schedule": {"cron": "17 3 * * *"}},
+                "plain": {"queue": "default"},
+            },
+            "events": {},
+        }
+    )
+    path = tmp_path / "scheduled.json"
+    path.write_text(catalog.to_json())
+    with engine.connect() as conn:
+        Scheduler(catalog).tick(conn)
+        now = queries.database_now(conn)
+    slot = latest_slot(schedule, now)
+    with serve(catalog_path=str(path)) as client:
+        page = client.get("/schedules").text
+    rows = cells(page, "data-task")
+    assert set(rows) == {"hourly_report", "nightly"}
+    assert slot.strftime("%Y-%m-%d %H:%M:%SZ") in rows["hourly_report"]
+    assert next_slot(schedule, now).strftime("%Y-%m-%d %H:%M:%SZ") in rows["hourly_report"]
+    assert (
+        str(slot_run_id("hourly_report", slot))[:8] in rows["hourly_report"]
+        and "queued" in rows["hourly_report"]
+    )
+    assert 'data-slot-status="queued"' in page and "every 3600 s" in page and "cron 17 3 * * *" in page
+
+
+def test_database_errors_are_one_line_with_the_password_masked(
+    ops_settings: OutboxSettings, pg_url: str, serve: Callable[..., Any]
+) -> None:
+    empty = f"t_empty_{uuid.uuid4().hex[:8]}"
+    from tests import support
+
+    support.create_database(pg_url, empty)
+    try:
+        url = support.database_url(pg_url, empty).replace("postgres@", "postgres:hunter2@")
+        with serve(database_url=url) as client:
+            unmigrated = client.get("/runs")
+        with serve(database_url=url.replace(empty, empty + "_gone")) as client:
+            gone = client.get("/")
+    finally:
+        support.drop_database(pg_url, empty)
+    assert unmigrated.status_code == 503 and "python -m sqla_outbox migrate" in unmigrated.text
+    assert gone.status_code == 503 and "cannot read the outbox database" in gone.text
+    assert "hunter2" not in unmigrated.text + gone.text
+
+
+# --- authentication ------------------------------------------------------------------------
+
+
+def test_the_token_opens_the_login_page_session_and_bearer_requests(serve: Callable[..., Any]) -> None:
+    with serve(dashboard_token=TOKEN) as client:
+        redirect = client.get("/runs?status=failed")
+        assert redirect.status_code == 303
+        assert redirect.headers["location"] == "/login?next=%2Fruns%3Fstatus%3Dfailed"
+        assert client.get("/overview/live", headers={"HX-Request": "true"}).status_code == 401
+        assert client.get("/", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+        assert client.get("/", headers={"Authorization": "Bearer wrong-token-wrong-token"}).status_code == 303
+
+        login = client.get("/login")
+        wrong = client.post(
+            "/login", data={"csrf_token": csrf_token(login.text), "token": "nope", "name": "x"}
+        )
+        assert wrong.status_code == 401 and "not the dashboard" in wrong.text
+        no_csrf = client.post("/login", data={"token": TOKEN, "name": "x"})
+        assert no_csrf.status_code == 403
+        evil = client.post(
+            "/login",
+            data={
+                "csrf_token": csrf_token(login.text),
+                "token": TOKEN,
+                "name": "a<b>",
+                "next": "//evil.example/",
+            },
+        )
+        assert evil.status_code == 303 and evil.headers["location"] == "/"
+        page = client.get("/").text
+        assert '<span id="operator" data-method="token">a_b_</span>' in page
+        client.post("/logout", data={"csrf_token": csrf_token(page)})
+        assert client.get("/").status_code == 303
+
+
+def test_basic_auth_asks_the_browser_and_names_the_operator(serve: Callable[..., Any]) -> None:
+    def basic(user: str, password: str) -> dict[str, str]:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+    with serve(dashboard_basic_auth="ops:correct-horse-battery") as client:
+        challenge = client.get("/")
+        assert challenge.status_code == 401
+        assert challenge.headers["www-authenticate"] == 'Basic realm="sqla_outbox dashboard"'
+        assert client.get("/", headers=basic("ops", "wrong-password!")).status_code == 401
+        page = client.get("/", headers=basic("ops", "correct-horse-battery"))
+    assert page.status_code == 200 and 'data-method="basic">ops<' in page.text
+    assert page.headers["content-security-policy"].startswith("default-src 'self'")
+    assert page.headers["x-frame-options"] == "DENY"
+    cookie = page.headers["set-cookie"]
+    assert "httponly" in cookie and "samesite=strict" in cookie
+
+
+# --- actions -------------------------------------------------------------------------------
+
+
+def test_requeue_from_the_dashboard_confirms_then_requeues_and_records_the_operator(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    sqs: Any,
+    ops_settings: OutboxSettings,
+    queues: dict[str, str],
+    serve: Callable[..., Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    run_id, other = failed_runs(app, engine, sqs, ops_settings, n=2)
+    with serve(dashboard_token=TOKEN, dashboard_actions=True) as client:
+        csrf = logged_in(client, "alice")
+        dlq_page = client.get("/dlq").text
+        assert dlq_page.count('data-action="dlq-requeue"') == 3  # one per row, and "matching these filters"
+
+        preview = client.post(
+            "/actions/dlq-requeue/preview", data={"csrf_token": csrf, "run_id": str(run_id)}
+        )
+        assert preview.status_code == 200 and "would requeue 1, skipped 0" in preview.text
+        assert status_of(engine, run_id) == "failed" and outbox_row(engine, run_id).sent_at is not None
+
+        with caplog.at_level("INFO", logger="sqla_outbox.dashboard.app"):
+            done = client.post(
+                "/actions/dlq-requeue", data={"csrf_token": csrf, "run_id": str(run_id), "confirmed": "yes"}
+            )
+    assert done.status_code == 200 and "requeued 1, skipped 0 (relay woken)" in done.text
+    assert status_of(engine, run_id) == "queued" and outbox_row(engine, run_id).sent_at is None
+    last = trail(engine, run_id)[-1]
+    assert (last.status, last.worker_id) == ("queued", "dashboard:alice")
+    assert last.detail["requeued_by"] == "operator" and last.detail["source"] == "dlq"
+    assert status_of(engine, other) == "failed"
+    left = receive_all(sqs, queues["critical-dlq"], expect=1, timeout=10)
+    assert [m["MessageAttributes"]["run_id"]["StringValue"] for m in left] == [str(other)]
+    [entry] = [f for f in (logged_fields(r) for r in caplog.records) if f.get("action") == "dashboard.action"]
+    assert (entry["name"], entry["operator"], entry["changed"]) == ("dlq-requeue", "dashboard:alice", 1)
+    assert json.loads(entry["fields"]) == {"run_id": [str(run_id)]}
+
+
+def test_requeue_keeps_the_clis_guardrails(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    sqs: Any,
+    ops_settings: OutboxSettings,
+    serve: Callable[..., Any],
+) -> None:
+    [failed] = failed_runs(app, engine, sqs, ops_settings)
+    queued = dispatch(app, "send_welcome", {})
+    with serve(dashboard_token=TOKEN, dashboard_actions=True) as client:
+        csrf = logged_in(client)
+        nothing = client.post("/actions/dlq-requeue/preview", data={"csrf_token": csrf})
+        bad = client.post("/actions/dlq-requeue/preview", data={"csrf_token": csrf, "queue": "urgent"})
+        unconfirmed = client.post("/actions/dlq-requeue", data={"csrf_token": csrf, "run_id": str(failed)})
+        not_failed = client.post(
+            "/actions/dlq-requeue", data={"csrf_token": csrf, "run_id": str(queued), "confirmed": "yes"}
+        )
+        unknown = client.post("/actions/pause-everything/preview", data={"csrf_token": csrf})
+    assert nothing.status_code == 400 and "choose the runs" in nothing.text
+    assert bad.status_code == 400 and "unknown queue" in bad.text
+    assert unconfirmed.status_code == 400 and "confirm the action" in unconfirmed.text
+    assert not_failed.status_code == 200 and "requeued 0, skipped 1" in not_failed.text
+    assert "not-failed: run is queued; only failed runs are requeued" in not_failed.text
+    assert unknown.status_code == 404
+    assert status_of(engine, failed) == "failed" and status_of(engine, queued) == "queued"
+
+
+def test_actions_are_refused_without_the_token_the_csrf_token_or_when_disabled(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    sqs: Any,
+    ops_settings: OutboxSettings,
+    queues: dict[str, str],
+    serve: Callable[..., Any],
+) -> None:
+    [run_id] = failed_runs(app, engine, sqs, ops_settings)
+    form = {"run_id": str(run_id), "confirmed": "yes"}
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    with serve(dashboard_token=TOKEN, dashboard_actions=True) as client:
+        assert client.post("/actions/dlq-requeue", data=form).status_code == 401  # no token
+        assert client.post("/actions/dlq-requeue", data=form, headers=bearer).status_code == 403  # no CSRF
+        csrf = csrf_token(client.get("/", headers=bearer).text)
+        wrong = client.post("/actions/dlq-requeue", data={**form, "csrf_token": csrf[::-1]}, headers=bearer)
+        assert wrong.status_code == 403 and "CSRF" in wrong.text
+        cross = client.post(
+            "/actions/dlq-requeue",
+            data={**form, "csrf_token": csrf},
+            headers={**bearer, "Sec-Fetch-Site": "cross-site"},
+        )
+        assert cross.status_code == 403
+        assert client.post("/logout", data={"csrf_token": csrf}).status_code == 303
+    with serve(dashboard_token=TOKEN) as client:  # actions off
+        csrf = csrf_token(client.get("/", headers=bearer).text)
+        off = client.post("/actions/dlq-requeue", data={**form, "csrf_token": csrf}, headers=bearer)
+        assert off.status_code == 403 and "read-only" in off.text
+    with serve(dashboard_actions=True) as client:  # no authentication: an anonymous viewer
+        csrf = csrf_token(client.get("/").text)
+        anonymous = client.post("/actions/dlq-requeue", data={**form, "csrf_token": csrf})
+        assert anonymous.status_code == 403 and "authenticated operator" in anonymous.text
+    assert status_of(engine, run_id) == "failed" and outbox_row(engine, run_id).sent_at is not None
+    assert len(receive_all(sqs, queues["critical-dlq"], expect=1, timeout=10)) == 1
+
+
+# --- mounted in an application -------------------------------------------------------------
+
+
+def test_mounted_in_fastapi_behind_the_applications_own_authentication(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    sqs: Any,
+    ops_settings: OutboxSettings,
+) -> None:
+    from examples.dashboard_fastapi import create_app as create_shop
+
+    [run_id] = failed_runs(app, engine, sqs, ops_settings)
+    shop = create_shop(
+        ops_settings.replace(dashboard_actions=True), staff_keys={"key-of-bob-0123456789": "bob"}
+    )
+    staff = {"Authorization": "Bearer key-of-bob-0123456789"}
+    with serve_asgi(shop) as base, httpx.Client(base_url=base, timeout=30) as client:
+        assert client.get("/health").json() == {"status": "ok"}
+        assert client.get("/outbox/").status_code == 401
+        assert client.get("/outbox/", headers={"Authorization": "Bearer guess"}).status_code == 401
+        page = client.get("/outbox/runs", headers=staff).text
+        assert 'href="/outbox/static/dashboard.css"' in page and f'href="/outbox/runs/{run_id}"' in page
+        assert client.get("/outbox/static/htmx.min.js", headers=staff).status_code == 200
+        done = client.post(
+            "/outbox/actions/dlq-requeue",
+            data={"csrf_token": csrf_token(page), "run_id": str(run_id), "confirmed": "yes"},
+            headers=staff,
+        )
+    assert done.status_code == 200 and "requeued 1" in done.text
+    assert trail(engine, run_id)[-1].worker_id == "dashboard:bob"
