@@ -40,7 +40,13 @@ VERSION_TABLE = "sqla_outbox_alembic_version"
 
 _NONE = {"", "none", "null", "off"}
 
-OUTBOX_TABLES = ("outbox_messages", "platform_outbox_messages", "task_runs", "task_run_trail")
+OUTBOX_TABLES = (
+    "outbox_messages",
+    "platform_outbox_messages",
+    "task_runs",
+    "task_run_trail",
+    "schedule_slots",
+)
 """The tables the migrations create (the version table aside)."""
 
 
@@ -159,15 +165,53 @@ def is_missing_outbox_table(exc: BaseException) -> bool:
     return any(table in statement for table in OUTBOX_TABLES)
 
 
-def missing_tables_message(database: str, missing: list[str] | None = None) -> str:
+MIGRATE_ADVICE = (
+    "run `python -m sqla_outbox migrate`, or `alembic upgrade heads` if your application's "
+    "Alembic environment holds sqla_outbox's migrations (docs/alembic.md)"
+)
+"""What to do about missing outbox tables when it is not known who migrates the database."""
+
+
+def migrate_advice(connection: Any = None) -> str:
+    """How to create the outbox tables in the connection's database.
+
+    Decided by the version tables present: ``sqla_outbox_alembic_version`` (the standalone
+    ``python -m sqla_outbox migrate``) → ``migrate``; only the application's
+    ``alembic_version`` → its own ``alembic upgrade heads`` (our revisions belong in its
+    environment, docs/alembic.md); neither, or no connection → :data:`MIGRATE_ADVICE`.
+    """
+    if connection is None:
+        return MIGRATE_ADVICE
+    import sqlalchemy as sa
+
+    try:
+        standalone, application = connection.execute(
+            sa.text("SELECT to_regclass(:ours) IS NOT NULL, to_regclass('alembic_version') IS NOT NULL"),
+            {"ours": VERSION_TABLE},
+        ).one()
+    except sa.exc.DBAPIError:
+        return MIGRATE_ADVICE
+    if standalone:
+        return "run `python -m sqla_outbox migrate`"
+    if application:
+        return (
+            "your application's Alembic environment manages this database: add sqla_outbox's "
+            "migrations to it and run `alembic upgrade heads` there (docs/alembic.md)"
+        )
+    return MIGRATE_ADVICE
+
+
+def missing_tables_message(database: str, missing: list[str] | None = None, *, connection: Any = None) -> str:
     """The one-line explanation for a database whose outbox tables do not exist.
 
     Args:
         database: The database URL with its password masked.
         missing: The tables not found, when only some are missing.
+        connection: A connection to that database, to tell who migrates it
+            (:func:`migrate_advice`); None gives both ways.
     """
     which = f" ({', '.join(missing)} not found)" if missing and len(missing) < len(OUTBOX_TABLES) else ""
-    return f"the outbox tables are missing in {database}{which}: run `python -m sqla_outbox migrate`"
+    return f"the outbox tables are missing in {database}{which}: {migrate_advice(connection)}"
 
 
 def current_revisions(target: Any) -> tuple[str, ...]:
@@ -198,7 +242,7 @@ def current_revisions(target: Any) -> tuple[str, ...]:
 
 
 def head_revisions() -> tuple[str, ...]:
-    """The head revisions of the bundled migrations, sorted (``("sqlaob_0001",)`` today)."""
+    """The head revisions of the bundled migrations, sorted (``("sqlaob_0002",)`` today)."""
     from alembic.script import ScriptDirectory
 
     return tuple(sorted(ScriptDirectory.from_config(alembic_config()).get_heads()))

@@ -37,6 +37,7 @@ from typing import Any
 
 from sqla_outbox import envelope, errors, metrics, tracing
 from sqla_outbox.logging import log_extra, short_handle
+from sqla_outbox.sqs.client import SQS_MAX_VISIBILITY_SECONDS
 from sqla_outbox.worker import execute, runs
 from sqla_outbox.worker.flight import InFlight
 from sqla_outbox.worker.outcome import backoff_seconds, utc_now_text
@@ -162,7 +163,7 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
         return
     if status is runs.ClaimStatus.LEASED:
         runtime.counters.duplicates_held += 1
-        hide = min(claim.lease_remaining_seconds + 2, 43_000)
+        hide = flight.hideable_seconds(claim.lease_remaining_seconds + 2)
         _log(
             logging.INFO,
             "run leased by another worker; copy hidden",
@@ -274,13 +275,14 @@ async def _transient(
         return
     base = definition.retry.backoff_base_seconds
     cap = definition.retry.backoff_max_seconds
-    seconds = delay
-    if seconds is None:
+    if delay is not None:
+        seconds = flight.hideable_seconds(delay)
+    else:
         seconds = backoff_seconds(
             flight.receive_count,
             base=runtime.settings.worker_backoff_base_seconds if base is None else base,
             cap=runtime.settings.worker_backoff_max_seconds if cap is None else cap,
-            elapsed_since_receive=time.monotonic() - flight.received_at,
+            allowed_seconds=flight.hideable_seconds(SQS_MAX_VISIBILITY_SECONDS),
         )
     failure = runs.Failure.from_exception(exc, trace)
     moved = await runtime.io(
@@ -433,7 +435,7 @@ async def give_back(runtime: Runtime, flight: InFlight, *, reason: str, hide_sec
         metrics.RUNS_FINISHED.labels(attempt_task(flight), "queued").inc()
     if flight.verdict is None:
         runtime.counters.returned += 1
-        hide = math.ceil(hide_seconds) + 1 if hide_seconds > 0 else 0
+        hide = flight.hideable_seconds(math.ceil(hide_seconds) + 1) if hide_seconds > 0 else 0
         _log(
             logging.INFO,
             "message returned to the queue",

@@ -224,8 +224,11 @@ def test_commands_on_an_unmigrated_database_say_to_migrate(
     empty_database: str, settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]
 ) -> None:
     env = service_env(settings.replace(database_url=empty_database), sqs_endpoint)
-    missing = f"error: the outbox tables are missing in {redact_url(empty_database)}"
-    expected = f"{missing}: run `python -m sqla_outbox migrate`"
+    expected = (
+        f"error: the outbox tables are missing in {redact_url(empty_database)}: run `python -m sqla_outbox "
+        "migrate`, or `alembic upgrade heads` if your application's Alembic environment holds sqla_outbox's "
+        "migrations (docs/alembic.md)"
+    )
     for command in (
         ("status",),
         ("status", "--no-sqs", "--json"),
@@ -240,6 +243,19 @@ def test_commands_on_an_unmigrated_database_say_to_migrate(
         assert_one_line_error(result, 2, expected)
         assert result.stdout == ""
     assert tables(empty_database) == set()
+    # a database the application's Alembic manages: `migrate` would be the wrong advice
+    with psycopg.connect(
+        empty_database.replace("postgresql+psycopg://", "postgresql://"), autocommit=True
+    ) as conn:
+        conn.execute("CREATE TABLE alembic_version (version_num varchar(32) PRIMARY KEY)")
+    assert_one_line_error(
+        cli("status", "--no-sqs", env=env),
+        2,
+        f"error: the outbox tables are missing in {redact_url(empty_database)}: your application's Alembic "
+        "environment manages this database: add sqla_outbox's migrations to it and run "
+        "`alembic upgrade heads` "
+        "there (docs/alembic.md)",
+    )
 
 
 def test_migrate_explains_a_missing_tenant_table_then_reports_what_it_did(empty_database: str) -> None:
@@ -266,12 +282,12 @@ def test_migrate_explains_a_missing_tenant_table_then_reports_what_it_did(empty_
 
     migrated = cli("migrate", env=env)
     assert migrated.returncode == 0, migrated.stderr
-    assert migrated.stdout == f"migrated {shown} from base to sqlaob_0001 (head)\n"
+    assert migrated.stdout == f"migrated {shown} from base to sqlaob_0002 (head)\n"
     assert {"outbox_messages", "task_runs", "sqla_outbox_alembic_version"} <= tables(empty_database)
     again = cli("migrate", env=env)
-    assert again.stdout == f"{shown} is already at sqlaob_0001 (head); nothing to do\n"
+    assert again.stdout == f"{shown} is already at sqlaob_0002 (head); nothing to do\n"
     down = cli("migrate", "--downgrade", "--revision", "base", env=env)
-    assert down.stdout == f"downgraded {shown} from sqlaob_0001 (head) to base\n"
+    assert down.stdout == f"downgraded {shown} from sqlaob_0002 (head) to base\n"
     assert tables(empty_database) == {"tenants", "sqla_outbox_alembic_version"}
 
 
@@ -279,7 +295,7 @@ def test_migrate_without_a_tenant_foreign_key_needs_no_tenants_table(empty_datab
     env = bare_env(SQLA_OUTBOX_DATABASE_URL=empty_database, SQLA_OUTBOX_TENANT_FOREIGN_KEY="none")
     migrated = cli("migrate", env=env)
     assert migrated.returncode == 0, migrated.stderr
-    assert migrated.stdout.startswith("migrated ") and "to sqlaob_0001 (head)" in migrated.stdout
+    assert migrated.stdout.startswith("migrated ") and "to sqlaob_0002 (head)" in migrated.stdout
 
 
 def test_relay_once_reports_that_another_relay_is_active(

@@ -20,7 +20,7 @@ from sqla_outbox import models
 from tests import support
 
 ROOT = Path(__file__).resolve().parents[2]
-OUR_TABLES = {"outbox_messages", "platform_outbox_messages", "task_runs", "task_run_trail"}
+OUR_TABLES = {"outbox_messages", "platform_outbox_messages", "task_runs", "task_run_trail", "schedule_slots"}
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_standalone_upgrade_downgrade_and_offline_sql(empty_db: str) -> None:
     assert OUR_TABLES <= tables(empty_db)
     with psycopg.connect(empty_db) as conn:
         version = conn.execute("SELECT version_num FROM sqla_outbox_alembic_version").fetchall()
-    assert version == [("sqlaob_0001",)]
+    assert version == [("sqlaob_0002",)]
     offline = alembic(["upgrade", "head", "--sql"], url=empty_db, config=config)
     assert "CREATE TABLE outbox_messages" in offline.stdout
     assert "CONSTRAINT outbox_messages_envelope_check" in offline.stdout
@@ -129,6 +129,8 @@ def test_schema_is_what_the_spec_says(database_url: str) -> None:
         "sent_at": ("timestamp with time zone", "YES"),
         "attempts": ("integer", "NO"),
         "created_at": ("timestamp with time zone", "NO"),
+        "parked_at": ("timestamp with time zone", "YES"),
+        "last_error": ("text", "YES"),
     }
     for table, column, data_type, nullable, default, is_identity, generation in columns:
         assert (data_type, nullable) == spec[column], (table, column)
@@ -139,7 +141,13 @@ def test_schema_is_what_the_spec_says(database_url: str) -> None:
         if column == "attempts":
             assert default == "0"
     assert {c[1] for c in columns if c[0] == "platform_outbox_messages"} == set(spec) - {"tenant_id"}
-    assert index is not None and "(available_at, id) WHERE (sent_at IS NULL)" in index[0]
+    assert (
+        index is not None
+        and "(available_at, id) WHERE ((sent_at IS NULL) AND (parked_at IS NULL))" in index[0]
+    )
+    assert constraints(url, "outbox_messages")["outbox_messages_parked_check"] == (
+        "CHECK (((sent_at IS NULL) OR (parked_at IS NULL)))"
+    )
 
 
 def test_models_match_the_migrations(database_url: str) -> None:
