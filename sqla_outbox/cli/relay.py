@@ -64,7 +64,12 @@ def relay_command(
             elif not result.leader:
                 click.echo("another relay is active; nothing done (it sends the pending rows)")
             else:
-                click.echo(f"claimed {result.claimed}, sent {result.sent}, failed {result.failed}")
+                parked = (
+                    f" ({result.parked} parked: `python -m sqla_outbox outbox parked`)"
+                    if result.parked
+                    else ""
+                )
+                click.echo(f"claimed {result.claimed}, sent {result.sent}, failed {result.failed}{parked}")
             return  # exit code 0 either way: the active relay does the work
         probe = None
         if settings.health_port is not None:

@@ -320,8 +320,10 @@ def test_relay_once_reports_that_another_relay_is_active(
             "claimed": 0,
             "sent": 0,
             "failed": 0,
+            "parked": 0,
             "full": False,
             "leader": False,
+            "stalled": False,
         }
         human = cli("relay", "--once", env=env)
         assert (human.returncode, human.stdout) == (
@@ -335,4 +337,12 @@ def test_relay_once_reports_that_another_relay_is_active(
         leader.commit()
     done = cli("relay", "--once", "--json", env=env)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"claimed": 1, "sent": 1, "failed": 0, "full": False, "leader": True}
+    assert json.loads(done.stdout) == {
+        "claimed": 1,
+        "sent": 1,
+        "failed": 0,
+        "parked": 0,
+        "full": False,
+        "leader": True,
+        "stalled": False,
+    }

@@ -144,6 +144,11 @@ def test_status_prints_tables_and_a_json_document(
         "stale_running_count",
         "stale_running",
         "queues",
+        "parked_count",
+        "parked",
+        "unreceived_after_seconds",
+        "unreceived_count",
+        "unreceived",
     }
     assert {(p["table"], p["queue"], p["pending"], p["due"]) for p in document["pending"]} == {
         ("platform_outbox_messages", "default", 1, 1),
