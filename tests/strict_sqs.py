@@ -59,6 +59,11 @@ Test hooks:
   SQS fails an entry it does not take (in ``Failed`` with that code and ``SenderFault``; a
   SendMessage gets the error), until ``{"marker": ..., "clear": true}``.
 
+* ``POST /strict-sqs/deny`` with ``{"action": "SendMessageBatch", "queue": ..., "code":
+  "AccessDenied", "message": ...}`` fails every call of that action on queues whose URL
+  contains ``queue`` as a whole (HTTP 403, as an IAM or KMS denial does), until
+  ``{"action": ..., "queue": ..., "clear": true}``.
+
 ``POST /moto-api/reset`` also forgets this layer's state.
 """
 
@@ -368,6 +373,7 @@ class StrictSqs:
         self._first_receive: dict[str, float] = {}  # message id -> epoch seconds
         self._backdated: set[str] = set()
         self._refusals: dict[str, Refusal] = {}  # body marker -> the entry failure to answer
+        self._denials: dict[tuple[str, str], Refusal] = {}  # (action, queue) -> whole-call failure
 
     # --- state ---------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -377,6 +383,7 @@ class StrictSqs:
             self._first_receive.clear()
             self._backdated.clear()
             self._refusals.clear()
+            self._denials.clear()
 
     def refusal_for(self, body: str) -> Refusal | None:
         """The refusal a test asked for (``/strict-sqs/refuse``) for a message with this body."""
@@ -463,13 +470,41 @@ class StrictSqs:
             return self._backdate(body, start_response)
         if path == "/strict-sqs/refuse":
             return self._set_refusal(body, start_response)
+        if path == "/strict-sqs/deny":
+            return self._set_denial(body, start_response)
         request = parse_request(environ, body)
         if request is None:
             return self._forward(environ, body, start_response)
         try:
+            self._check_denied(request, environ)
             return self._handle(request, environ, body, start_response)
         except Refusal as refusal:
-            return _respond(start_response, *error_response(request.protocol, refusal))
+            status, headers, content = error_response(request.protocol, refusal)
+            if refusal.code == "AccessDenied":
+                status = "403 Forbidden"
+            return _respond(start_response, status, headers, content)
+
+    def _check_denied(self, request: Request, environ: dict[str, Any]) -> None:
+        with self._lock:
+            if not self._denials:
+                return
+            url = str(request.params.get("QueueUrl") or environ.get("PATH_INFO", ""))
+            for (action, queue), refusal in self._denials.items():
+                if action == request.action and url.rstrip("/").endswith(queue):
+                    raise refusal
+
+    def _set_denial(self, body: bytes, start_response: Callable[..., Any]) -> Iterable[bytes]:
+        document = json.loads(body)
+        key = (str(document["action"]), str(document["queue"]))
+        with self._lock:
+            if document.get("clear"):
+                self._denials.pop(key, None)
+            else:
+                self._denials[key] = Refusal(
+                    str(document.get("code") or "AccessDenied"),
+                    str(document.get("message") or "denied by the test"),
+                )
+        return _respond(start_response, "200 OK", [("Content-Type", "application/json")], b"{}")
 
     def _backdate(self, body: bytes, start_response: Callable[..., Any]) -> Iterable[bytes]:
         document = json.loads(body)

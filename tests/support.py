@@ -404,6 +404,25 @@ def refuse_messages(
     urllib.request.urlopen(request, timeout=10).close()
 
 
+def deny_calls(
+    endpoint: str,
+    queue: str,
+    action: str = "SendMessageBatch",
+    *,
+    code: str = "AccessDenied",
+    clear: bool = False,
+) -> None:
+    """Make the strict SQS layer fail every ``action`` call on the queue named ``queue`` (as an
+    IAM or KMS denial does: HTTP 403), or stop doing so (``clear``)."""
+    import json
+
+    document = {"action": action, "queue": queue, "code": code, "clear": clear}
+    request = urllib.request.Request(
+        endpoint + "/strict-sqs/deny", data=json.dumps(document).encode(), method="POST"
+    )
+    urllib.request.urlopen(request, timeout=10).close()
+
+
 def backdate_first_receive(endpoint: str, message_id: str, epoch_seconds: float) -> None:
     """Tell the strict SQS layer a message was first received at ``epoch_seconds``."""
     import json

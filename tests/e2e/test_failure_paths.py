@@ -156,6 +156,9 @@ def test_parked_and_unreceived_runs_are_shown_and_put_back_from_the_command_line
     assert "Parked outbox rows" in human.stdout and "Unreceived runs" in human.stdout
     listed = json.loads(cli(settings, sqs_endpoint, "outbox", "parked", "--json").stdout)
     assert [p["run_id"] for p in listed] == [str(parked)]
+    in_runs = json.loads(cli(settings, sqs_endpoint, "runs", "list", "--parked", "--json").stdout)
+    assert [(r["run_id"], r["status"], r["parked"]) for r in in_runs] == [(str(parked), "failed", True)]
+    assert "failed (parked)" in cli(settings, sqs_endpoint, "runs", "list").stdout
 
     usage = cli(settings, sqs_endpoint, "outbox", "unpark")
     assert usage.returncode == 2 and "--all" in usage.stderr

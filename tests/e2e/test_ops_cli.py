@@ -49,6 +49,7 @@ RUN_KEYS = {
     "last_error",
     "dead_lettered_at",
     "age_seconds",
+    "parked",
 }
 LETTER_KEYS = {
     "queue",
