@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PYTHON=${PYTHON:-python3.11}
-BENCHES=(dispatch wake wake_modes delayed relay_drain relay_sqs worker memory pipeline scaling what_if)
+BENCHES=(dispatch wake wake_modes delayed relay_drain relay_sqs strict_sqs worker memory pipeline scaling what_if)
 
 if [ ! -x .venv-bench/bin/python ]; then
     "$PYTHON" -m venv .venv-bench

@@ -19,7 +19,7 @@ sqla_outbox.worker`` runs the handlers. The API process imports neither.
 Layers, top to bottom (``docs/architecture.md``; checked by ``lint-imports``): ``cli`` →
 ``health | testing | ops`` → ``worker`` → ``relay`` → ``maintenance | events | migrations
 | sqs`` → ``write | wakeup | models`` → ``dispatch`` → ``envelope | catalog`` →
-``config | metrics | tracing | logging`` → ``errors | types``.
+``config | metrics | tracing | logging`` → ``errors | types | charsets | backoff``.
 """
 
 from __future__ import annotations

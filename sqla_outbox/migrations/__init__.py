@@ -286,6 +286,26 @@ def target_metadata(*application_metadata: Any) -> list[Any]:
     return [*application_metadata, models.metadata]
 
 
+def include_object(object_: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
+    """Alembic ``include_object`` hook that keeps sqla_outbox's tables out of an
+    application's autogenerate.
+
+    Autogenerate proposes dropping every table it finds in the database but not in
+    ``target_metadata``. An application whose ``target_metadata`` does not hold ours
+    (it does not call :func:`target_metadata`), or whose database has the standalone
+    version table ``sqla_outbox_alembic_version`` (tables created by ``python -m
+    sqla_outbox migrate``), would see ``remove_table`` for them in every
+    ``alembic revision --autogenerate`` and ``alembic check``. Pass this as
+    ``context.configure(..., include_object=include_object)``, or call it from your own
+    hook: it returns False for those tables (and their indexes and constraints) when they
+    are reflected from the database and not in your metadata, True for everything else.
+    """
+    if not reflected or compare_to is not None:
+        return True
+    table = name if type_ == "table" else getattr(getattr(object_, "table", None), "name", None)
+    return table not in (*OUTBOX_TABLES, VERSION_TABLE)
+
+
 def alembic_config(url: str | None = None, **attributes: Any) -> Any:
     """An Alembic ``Config`` for the standalone environment (no ini file needed).
 

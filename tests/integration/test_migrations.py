@@ -9,6 +9,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -209,6 +210,45 @@ def _shop_recipe(
 
 def test_application_alembic_environment_recipe(empty_db: str) -> None:
     _shop_recipe(empty_db, extra_path=str(ROOT))
+
+
+def test_a_data_migration_that_dispatches_works_offline_and_across_a_downgrade_upgrade_cycle(
+    empty_db: str,
+) -> None:
+    """docs/alembic.md "A data migration that dispatches": ``--sql`` used to break (a
+    Session on the offline mock connection); deterministic run ids keep a second upgrade
+    from dispatching again while the first upgrade's runs exist."""
+    kwargs: dict[str, Any] = {
+        "url": empty_db,
+        "config": ROOT / "examples" / "shop" / "alembic.ini",
+        "extra_path": str(ROOT),
+    }
+    offline = alembic(["upgrade", "heads", "--sql"], **kwargs)
+    assert "INSERT INTO tenants" in offline.stdout
+    assert "-- shop_0002: the welcome_tenant dispatches need an online upgrade" in offline.stdout
+
+    def welcomes() -> tuple[list[tuple[Any, ...]], int]:
+        with psycopg.connect(empty_db) as conn:
+            found = conn.execute(
+                "SELECT run_id, status FROM task_runs WHERE task = 'welcome_tenant' ORDER BY tenant_id"
+            ).fetchall()
+            rows = conn.execute("SELECT count(*) FROM outbox_messages").fetchone()
+        assert rows is not None
+        return found, int(rows[0])
+
+    alembic(["upgrade", "heads"], **kwargs)
+    first, rows = welcomes()
+    assert len(first) == 3 and rows == 3
+    alembic(["downgrade", "shop_0001"], **kwargs)  # not sent yet: withdrawn with the seed
+    assert welcomes() == ([], 0)
+    alembic(["upgrade", "heads"], **kwargs)
+    assert welcomes() == (first, 3)  # the same run ids again
+    with psycopg.connect(empty_db, autocommit=True) as conn:  # sent and run, as a relay and worker would
+        conn.execute("UPDATE outbox_messages SET sent_at = clock_timestamp()")
+        conn.execute("UPDATE task_runs SET status = 'succeeded', finished_at = clock_timestamp()")
+    alembic(["downgrade", "shop_0001"], **kwargs)
+    alembic(["upgrade", "heads"], **kwargs)
+    assert welcomes() == ([(run_id, "succeeded") for run_id, _ in first], 0)  # nobody welcomed twice
 
 
 def test_migrations_work_from_an_installed_wheel(empty_db: str, tmp_path: Path) -> None:
