@@ -87,6 +87,27 @@ def test_provision_is_idempotent_and_reports_drift(settings: OutboxSettings, sqs
     assert {r["action"] for r in json.loads(fixed.stdout)} == {"unchanged", "updated"}
     human = cli("provision", "--max-receive-count", "4", env=env)
     assert "unchanged" in human.stdout and "SQS queues" in human.stdout
+    # visibility timeouts and retention are settings that provision applies (issue 11, item 10)
+    sqs = support.sqs_client(sqs_endpoint)
+    bulk = sqs.get_queue_url(QueueName=f"{settings.queue_prefix}bulk")["QueueUrl"]
+    attributes = sqs.get_queue_attributes(QueueUrl=bulk, AttributeNames=["All"])["Attributes"]
+    assert (attributes["VisibilityTimeout"], attributes["MessageRetentionPeriod"]) == ("900", "1209600")
+    longer = {
+        **env,
+        "SQLA_OUTBOX_MAX_RECEIVE_COUNT": "4",
+        "SQLA_OUTBOX_VISIBILITY_TIMEOUT_BULK_SECONDS": "1800",
+    }
+    drift = cli("provision", "--json", env=longer)
+    assert drift.returncode == 1
+    assert {r["name"] for r in json.loads(drift.stdout) if r["action"] == "drift"} == {
+        f"{settings.queue_prefix}bulk",
+        f"{settings.queue_prefix}bulk-dlq",
+    }
+    assert cli("provision", "--fix", env=longer).returncode == 0
+    assert sqs.get_queue_attributes(QueueUrl=bulk, AttributeNames=["VisibilityTimeout"])["Attributes"] == {
+        "VisibilityTimeout": "1800"
+    }
+    assert cli("provision", "--json", env=longer).returncode == 0  # the setting is what --fix keeps
 
 
 def test_check_reports_each_service(
