@@ -109,6 +109,16 @@ LIMIT :limit
     bindparam("queues", type_=ARRAY(Text)),
     bindparam("limit", type_=Integer),
 )
+_PARKED_COUNT = text(
+    "SELECT (SELECT count(*) FROM outbox_messages WHERE parked_at IS NOT NULL) "
+    "+ (SELECT count(*) FROM platform_outbox_messages WHERE parked_at IS NOT NULL)"
+)
+_UNRECEIVED_COUNT = text(
+    f"""
+SELECT count(*) FROM ({_OUTBOX}) AS o JOIN task_runs AS r ON r.run_id = o.run_id
+WHERE {_UNRECEIVED_WHERE}
+"""
+).bindparams(bindparam("older_than", type_=Float))
 _LOCK = text(
     f"""
 SELECT r.run_id, r.task, r.queue, r.tenant_id, r.status, r.idempotency_key, r.attempts,
@@ -300,6 +310,16 @@ def unreceived(
             _UNRECEIVED, {"older_than": older_than.total_seconds(), **selection.params()}
         )
     ]
+
+
+def parked_count(connection: Connection) -> int:
+    """How many outbox rows are parked (both tables)."""
+    return int(connection.execute(_PARKED_COUNT).scalar_one())
+
+
+def unreceived_count(connection: Connection, *, older_than: dt.timedelta) -> int:
+    """How many ``queued`` runs' messages have waited in SQS longer than ``older_than``."""
+    return int(connection.execute(_UNRECEIVED_COUNT, {"older_than": older_than.total_seconds()}).scalar_one())
 
 
 def unpark(

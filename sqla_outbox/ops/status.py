@@ -284,15 +284,13 @@ def collect(
     """
     database_time: dt.datetime = connection.execute(text("SELECT clock_timestamp()")).scalar_one()
     count, stale = stale_running(connection, stale_after_seconds=stale_after_seconds, limit=stale_limit)
-    everything = resend.Selection(limit=100_000)
-    parked = resend.parked_runs(connection, everything)
-    late = resend.unreceived(connection, older_than=unreceived_after, selection=everything)
+    listed = resend.Selection(limit=stale_limit)
     return StatusReport(
-        parked_count=len(parked),
-        parked=parked[:stale_limit],
+        parked_count=resend.parked_count(connection),
+        parked=resend.parked_runs(connection, listed),
         unreceived_after_seconds=unreceived_after.total_seconds(),
-        unreceived_count=len(late),
-        unreceived=late[:stale_limit],
+        unreceived_count=resend.unreceived_count(connection, older_than=unreceived_after),
+        unreceived=resend.unreceived(connection, older_than=unreceived_after, selection=listed),
         database_time=database_time,
         pending=pending_rows(connection),
         runs_by_status=runs_by_status(connection),
