@@ -14,10 +14,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from sqla_outbox import Dispatch
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.relay import Relay
 from tests import support
+from tests.e2e.test_worker_process import dispatch
 from tests.support import effects, receive_all, run_row, start_worker, status_of, trail, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -28,37 +28,13 @@ IN_POSTGRES = "upstream said \\x00, then \x1b[31mred\x1b[0m, a bell \x07 and a l
 IN_SQS = "upstream said \\x00, then \\x1b[31mred\\x1b[0m, a bell \\x07 and a lone \\ud800"
 
 
-def dispatch(app: sessionmaker[Session], task: str, payload: dict[str, Any], **options: Any) -> uuid.UUID:
-    with app() as session, session.begin():
-        item = Dispatch(task, payload, **options)
-        session.add(item)
-    return item.run_id
-
-
-@pytest.fixture
-def worker(settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]):
-    processes: list[support.ServiceProcess] = []
-
-    def start(**extra: str) -> support.ServiceProcess:
-        extra.setdefault("SQLA_OUTBOX_WORKER_RUN_RELAY", "true")
-        process = start_worker(settings, sqs_endpoint, name=f"worker{len(processes)}", **extra)
-        processes.append(process)
-        process.wait_for_action("worker.started")
-        return process
-
-    yield start
-    for process in processes:
-        process.kill()
-        print(f"--- {process.name} log (tail) ---\n" + "".join(process.raw[-60:]))
-
-
 def test_an_error_text_with_nul_and_control_characters_is_stored_and_dead_lettered_after_one_execution(
-    app: sessionmaker[Session], engine: sa.Engine, worker: Any, sqs: Any, queues: dict[str, str]
+    app: sessionmaker[Session], engine: sa.Engine, worker_with_relay: Any, sqs: Any, queues: dict[str, str]
 ) -> None:
     """The issue's input: ``PermanentError("upstream said \\x00")``. Recording the verdict
     failed, the message came back after every visibility timeout and ran again, and the run
     ended as ``receive-limit`` with "earlier attempts were lost"."""
-    process = worker()
+    process = worker_with_relay()
     run_id = dispatch(app, "audit", {"mode": "permanent_text", "text": TEXT})
     wait_for(lambda: run_row(engine, run_id).dead_lettered_at is not None, timeout=30)
     run = run_row(engine, run_id)
@@ -75,9 +51,9 @@ def test_an_error_text_with_nul_and_control_characters_is_stored_and_dead_letter
 
 
 def test_a_transient_error_text_with_nul_is_stored_and_the_retry_succeeds_once(
-    app: sessionmaker[Session], engine: sa.Engine, worker: Any
+    app: sessionmaker[Session], engine: sa.Engine, worker_with_relay: Any
 ) -> None:
-    worker()
+    worker_with_relay()
     run_id = dispatch(app, "audit", {"mode": "transient_text", "text": TEXT})
     wait_for(lambda: status_of(engine, run_id) == "succeeded", timeout=30)
     retrying = [t for t in trail(engine, run_id) if t.status == "retrying"]
