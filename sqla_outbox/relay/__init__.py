@@ -47,8 +47,8 @@ from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
 from sqla_outbox.relay import claim
-from sqla_outbox.relay.listen import NotifyListener
 from sqla_outbox.relay.claim import ClaimedRow
+from sqla_outbox.relay.listen import NotifyListener
 from sqla_outbox.relay.schedule import Scheduler
 from sqla_outbox.relay.send import ENTRY, REFUSED, Sender, SendFailure, SendResult
 from sqla_outbox.wakeup import WakeListener
