@@ -20,12 +20,13 @@ Layers, top to bottom (``docs/architecture.md``; checked by ``lint-imports``): `
 ``health | testing | ops`` → ``worker`` → ``relay`` → ``maintenance | events | migrations
 | sqs | webhooks | presence`` → ``write | wakeup | models`` → ``dispatch`` →
 ``webhook_fanout`` → ``envelope | catalog`` → ``config | metrics | tracing | logging`` →
-``errors | types``.
+``errors | types | charsets | backoff``.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -53,11 +54,13 @@ __all__ = [
     "RunStatus",
     "TaskSpec",
     "dispatch",
+    "dispatch_async",
     "errors",
     "install",
     "installation_for",
     "metadata",
     "publish",
+    "publish_async",
     "uninstall",
 ]
 
@@ -96,33 +99,102 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
+def _sync_only(session: Any, helper: str) -> None:
+    """Refuse an asyncio session before touching it: its ``flush()`` is a coroutine that a
+    sync helper could not await (the Dispatch would stay in the session, half done)."""
+    if inspect.iscoroutinefunction(getattr(session, "flush", None)):
+        raise TypeError(
+            f"sqla_outbox.{helper}() takes a sync Session; for an AsyncSession use "
+            f"`await sqla_outbox.{helper}_async(session, ...)`"
+        )
+
+
+def _async_only(session: Any, helper: str) -> None:
+    if not inspect.iscoroutinefunction(getattr(session, "flush", None)):
+        raise TypeError(
+            f"sqla_outbox.{helper}_async() takes an AsyncSession; for a sync Session use "
+            f"`sqla_outbox.{helper}(session, ...)`"
+        )
+
+
+def _resolved(item: Dispatch) -> uuid.UUID:
+    if item.resolved_run_id is None:  # the flush did not reach sqla_outbox's listeners
+        from sqla_outbox import errors
+
+        raise errors.NotInstalled(
+            f"the flush did not write {item!r}: the session has no sqla_outbox listeners "
+            "(call sqla_outbox.install() on its session class or factory)"
+        )
+    return item.resolved_run_id
+
+
 def dispatch(session: Any, task: str, payload: JSONPayload = None, **options: Any) -> uuid.UUID:
     """Add a :class:`Dispatch` and flush; return the run that will execute.
 
     Flushing resolves an idempotency key (or a caller-chosen ``run_id``) to an existing
-    unfinished run, so the returned id is always the one to track. Works with a sync
-    ``Session`` (for ``AsyncSession`` add a ``Dispatch`` and ``await session.flush()``).
+    unfinished run, so the returned id is always the one to track. Works with a
+    ``Session``, a ``scoped_session`` and a session bound to a connection (an Alembic
+    migration's); for an ``AsyncSession`` use :func:`dispatch_async`.
 
     Args:
-        session: A session with the listeners installed.
+        session: A sync session with the listeners installed.
         task, payload, **options: As for :class:`Dispatch` (``payload`` None means ``{}``).
 
     Returns:
         The resolved run id.
 
     Raises:
+        TypeError: ``session`` is an ``AsyncSession`` (nothing was added to it).
         DispatchError: As :class:`Dispatch` and ``session.add`` raise it.
+        NotInstalled: The session has no sqla_outbox listeners.
     """
+    _sync_only(session, "dispatch")
     item = Dispatch(task, {} if payload is None else payload, **options)
     session.add(item)
     session.flush()
-    assert item.resolved_run_id is not None
-    return item.resolved_run_id
+    return _resolved(item)
+
+
+async def dispatch_async(session: Any, task: str, payload: JSONPayload = None, **options: Any) -> uuid.UUID:
+    """:func:`dispatch` for an ``AsyncSession`` (or ``async_scoped_session``): add, ``await``
+    the flush, return the run that will execute.
+
+    Raises:
+        TypeError: ``session`` is not an asyncio session (nothing was added to it).
+        DispatchError, NotInstalled: As :func:`dispatch`.
+    """
+    _async_only(session, "dispatch")
+    item = Dispatch(task, {} if payload is None else payload, **options)
+    session.add(item)
+    await session.flush()
+    return _resolved(item)
 
 
 def publish(session: Any, event: str, payload: JSONPayload = None, **options: Any) -> dict[str, uuid.UUID]:
-    """Add a :class:`Publish` and flush; return ``{subscriber task: run id}``."""
+    """Add a :class:`Publish` and flush; return ``{subscriber task: run id}``.
+
+    Raises:
+        TypeError: ``session`` is an ``AsyncSession`` (use :func:`publish_async`).
+        DispatchError: As :class:`Publish` and ``session.add`` raise it.
+    """
+    _sync_only(session, "publish")
     item = Publish(event, {} if payload is None else payload, **options)
     session.add(item)
     session.flush()
+    return item.resolved_run_ids
+
+
+async def publish_async(
+    session: Any, event: str, payload: JSONPayload = None, **options: Any
+) -> dict[str, uuid.UUID]:
+    """:func:`publish` for an ``AsyncSession``: add, ``await`` the flush, return
+    ``{subscriber task: run id}``.
+
+    Raises:
+        TypeError: ``session`` is not an asyncio session.
+    """
+    _async_only(session, "publish")
+    item = Publish(event, {} if payload is None else payload, **options)
+    session.add(item)
+    await session.flush()
     return item.resolved_run_ids

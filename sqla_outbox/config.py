@@ -27,7 +27,7 @@ from sqlalchemy import exc as sqlalchemy_exc
 from sqlalchemy.engine import make_url
 
 from sqla_outbox import errors
-from sqla_outbox.types import QUEUE_NAMES
+from sqla_outbox.types import QUEUE_NAMES, VISIBILITY_TIMEOUT_SECONDS
 
 ENV_PREFIX = "SQLA_OUTBOX_"
 
@@ -143,6 +143,34 @@ class OutboxSettings:
         "Redrive policy maxReceiveCount: receives after which SQS itself moves a message "
         "to the DLQ (5 for the runtime plus 2 of margin).",
     )
+    sqs_message_retention_seconds: int = _setting(
+        1_209_600,
+        "How long a source queue keeps a message nobody received (SQS MessageRetentionPeriod, "
+        "60..1,209,600 s; default the SQS maximum, 14 days). SQS drops older messages silently; "
+        "`status` flags runs sent but never received, `outbox resend` sends them again. "
+        "Applied by `provision`.",
+        unit="s",
+    )
+    visibility_timeout_critical_seconds: int = _setting(
+        VISIBILITY_TIMEOUT_SECONDS["critical"],
+        "Visibility timeout of the critical queue (applied by `provision`).",
+        unit="s",
+    )
+    visibility_timeout_default_seconds: int = _setting(
+        VISIBILITY_TIMEOUT_SECONDS["default"],
+        "Visibility timeout of the default queue (applied by `provision`).",
+        unit="s",
+    )
+    visibility_timeout_bulk_seconds: int = _setting(
+        VISIBILITY_TIMEOUT_SECONDS["bulk"],
+        "Visibility timeout of the bulk queue (applied by `provision`).",
+        unit="s",
+    )
+    visibility_timeout_maintenance_seconds: int = _setting(
+        VISIBILITY_TIMEOUT_SECONDS["maintenance"],
+        "Visibility timeout of the maintenance queue (applied by `provision`).",
+        unit="s",
+    )
     sqs_managed_sse: bool = _setting(
         False, "Provision queues with SQS-managed server-side encryption (SSE-SQS)."
     )
@@ -171,10 +199,18 @@ class OutboxSettings:
     relay_send_concurrency: int = _setting(4, "SendMessageBatch calls in flight at once within one pass.")
     relay_backoff_base_seconds: float = _setting(
         1.0,
-        "First delay after a failed send; doubles per attempt (capped exponential backoff).",
+        "First delay after a failed send; doubles per failed send (capped exponential backoff, no jitter).",
         unit="s",
     )
     relay_backoff_max_seconds: float = _setting(300.0, "Cap of the relay's send backoff.", unit="s")
+    relay_max_send_attempts: int = _setting(
+        20,
+        "A row whose message SQS does not take (an entry failed without sender fault) is parked "
+        "after this many failed sends: its run fails with the SQS error and "
+        "`python -m sqla_outbox outbox unpark` puts it back. A message SQS refuses outright "
+        "(sender fault: invalid characters, too large) is parked at its first refusal; failures "
+        "of whole calls (endpoint down, throttling, credentials, missing queue) never park a row.",
+    )
     relay_lock_id: int = _setting(
         0x5351_4C41_4F42,
         "PostgreSQL advisory lock key that elects the one active relay per database "
@@ -215,7 +251,9 @@ class OutboxSettings:
     )
     worker_backoff_base_seconds: float = _setting(
         5.0,
-        "Retry delay after the first transient failure; doubles per receive, with jitter.",
+        "Nominal retry delay after the first transient failure; doubles per receive. Each delay "
+        "is drawn uniformly between half and all of its nominal value (equal jitter), so the first "
+        "retry comes after 2.5..5 s by default: the base is not a minimum.",
         unit="s",
     )
     worker_backoff_max_seconds: float = _setting(
@@ -388,6 +426,10 @@ class OutboxSettings:
     def queue_url_name(self, queue: str) -> str:
         """SQS queue name for a logical queue (``<prefix><queue>``)."""
         return f"{self.queue_prefix}{queue}"
+
+    def visibility_timeout_seconds(self, queue: str) -> int:
+        """The visibility timeout ``provision`` gives ``queue``'s source queue and DLQ."""
+        return int(getattr(self, f"visibility_timeout_{queue}_seconds"))
 
     def dlq_url_name(self, queue: str) -> str:
         """SQS dead-letter queue name for a logical queue (``<prefix><queue>-dlq``)."""
@@ -701,7 +743,19 @@ def _validate(s: OutboxSettings) -> None:
         "relay_backoff_max_seconds",
         "must be >= relay_backoff_base_seconds",
     )
+    _check(s.relay_max_send_attempts >= 1, "relay_max_send_attempts", "must be >= 1")
     _check(s.relay_standby_poll_seconds > 0, "relay_standby_poll_seconds", "must be > 0")
+    _check(
+        60 <= s.sqs_message_retention_seconds <= 1_209_600,
+        "sqs_message_retention_seconds",
+        "must be within 60..1209600 s (SQS MessageRetentionPeriod)",
+    )
+    for queue in QUEUE_NAMES:
+        _check(
+            0 <= s.visibility_timeout_seconds(queue) <= 43_200,
+            f"visibility_timeout_{queue}_seconds",
+            "must be within 0..43200 s (SQS VisibilityTimeout)",
+        )
     _check(bool(s.worker_queues), "worker_queues", "must name at least one queue")
     for queue in s.worker_queues:
         _check(

@@ -11,6 +11,14 @@ is ``jsonb``, which reorders keys, drops duplicate keys, rewrites numbers (``1e1
 back as ``10000000000000000``, an int) and refuses ``\\u0000``. Keeping the payload as a
 string makes what the handler receives exactly what the application encoded.
 
+Both texts are UTF-8 JSON (``ensure_ascii=False``): a character costs what UTF-8 makes it
+cost (``中`` 3 bytes, an emoji 4), which is what SQS counts against its size limit
+(docs/decisions/0001-payload-as-json-text.md). Characters neither SQS nor PostgreSQL
+may carry are kept as JSON escapes (:func:`dumps`): control characters (``json``
+escapes them always), lone surrogates, U+FFFE and U+FFFF. So the body is valid for SQS,
+the ``jsonb`` column accepts the envelope, and the payload still parses back to exactly
+the value the application dispatched.
+
 Payload rules (decided here, documented in ``docs/handlers.md``): objects with string
 keys, arrays (lists and tuples), strings, integers, finite floats, booleans and null.
 NaN/Infinity, bytes, sets, datetimes, UUIDs, Decimals and other objects are refused with
@@ -29,11 +37,12 @@ import hashlib
 import hmac
 import json
 import math
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqla_outbox import errors, tracing
+from sqla_outbox import charsets, errors, tracing
 from sqla_outbox.types import QUEUE_NAMES, JSONValue, is_name
 
 VERSION = 1
@@ -101,7 +110,7 @@ class Envelope:
         return doc
 
     def encode(self) -> str:
-        """The SQS message body (compact JSON, ASCII only)."""
+        """The SQS message body (compact UTF-8 JSON, :func:`dumps`)."""
         return encode_document(self.to_document())
 
     def message_attributes(self) -> dict[str, dict[str, str]]:
@@ -114,9 +123,31 @@ class Envelope:
         return message_size_bytes(self.encode(), self.message_attributes()) + SIGNATURE_SIZE_BYTES
 
 
+_NOT_CARRIED = re.compile("[\ud800-\udfff\ufffe\uffff]")
+
+
+def _json_escape(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
+
+
+def dumps(value: Any, *, allow_nan: bool = True) -> str:
+    """Compact UTF-8 JSON whose every character SQS and PostgreSQL accept.
+
+    ``json.dumps(..., ensure_ascii=False)`` already escapes control characters (U+0000 to
+    U+001F); the characters it would leave raw and that SQS (XML character set) or
+    PostgreSQL (valid UTF-8) refuse, lone surrogates, U+FFFE and U+FFFF, are written as
+    ``\\uXXXX`` escapes. They can only occur inside JSON strings, where the escape means the
+    same character, so ``json.loads`` returns the same value.
+    """
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=allow_nan)
+    if _NOT_CARRIED.search(text) is None:
+        return text
+    return _NOT_CARRIED.sub(_json_escape, text)
+
+
 def encode_document(document: Mapping[str, Any]) -> str:
-    """Serialise an envelope document compactly (the form sent to SQS)."""
-    return json.dumps(document, separators=(",", ":"), ensure_ascii=True)
+    """Serialise an envelope document compactly (the form sent to SQS): :func:`dumps`."""
+    return dumps(document)
 
 
 SIGNATURE_ATTRIBUTE = "signature"
@@ -141,10 +172,9 @@ def message_attributes(
     run_id: uuid.UUID | str, task: str, tenant_id: int | None
 ) -> dict[str, dict[str, str]]:
     """SendMessageBatch ``MessageAttributes`` for a run."""
-    attributes = {
-        "run_id": {"DataType": "String", "StringValue": str(run_id)},
-        "task": {"DataType": "String", "StringValue": task},
-    }
+    attributes = {"run_id": {"DataType": "String", "StringValue": str(run_id)}}
+    if task:  # SQS refuses an empty value and characters outside the XML set
+        attributes["task"] = {"DataType": "String", "StringValue": charsets.for_sqs(task)}
     if tenant_id is not None:
         attributes["tenant_id"] = {"DataType": "Number", "StringValue": str(tenant_id)}
     return attributes
@@ -175,7 +205,8 @@ def encode_payload(task: str, payload: Any) -> str:
         payload: The value to encode (see the module docstring for what is allowed).
 
     Returns:
-        JSON text, ASCII only (non-ASCII characters escaped, so any string survives).
+        Compact UTF-8 JSON text (:func:`dumps`: characters SQS or PostgreSQL refuse are
+        escaped, every other character kept as it is, so its size is its UTF-8 size).
 
     Raises:
         PayloadNotSerializable: A value is not plain JSON; the message names its path
@@ -183,7 +214,7 @@ def encode_payload(task: str, payload: Any) -> str:
     """
     _check_plain_json(task, payload)
     try:
-        return json.dumps(payload, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+        return dumps(payload, allow_nan=False)
     except (ValueError, TypeError, RecursionError) as exc:  # pragma: no cover - walk covers
         raise errors.PayloadNotSerializable(task, f"payload is not JSON: {exc}") from exc
 
@@ -328,13 +359,7 @@ def storable_text(text: str) -> bool:
     Every envelope the relay sends was read from a ``jsonb`` column, which refuses both
     (PostgreSQL: "unsupported Unicode escape sequence"), so a body carrying one is not ours.
     """
-    if "\x00" in text:
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return charsets.storable(text)
 
 
 def _field(doc: Mapping[str, Any], name: str, kind: type) -> Any:

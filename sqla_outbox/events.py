@@ -12,6 +12,11 @@ What each hook does, and what it may do:
 ``before_attach`` (``session.add``)
     Checks the object against the catalog and computes its rows (task/event known, queue,
     tenant scope, message size). Raising here keeps the object out of the session.
+``after_attach``
+    During a flush only (a ``Dispatch`` added by the application's own ``before_flush``
+    listener, the audit pattern): takes it out of the session at once and defers its rows
+    to this flush's ``after_flush`` (or the commit), since the flush plan no longer passes
+    through ``before_flush``.
 ``before_flush``
     Takes the pending objects out of the session (they are never INSERTed as themselves).
     When the flush holds nothing else, writes their rows at once; otherwise leaves them
@@ -64,6 +69,7 @@ logger = logging.getLogger(__name__)
 _STATE_KEY = "sqla_outbox.state"
 _HOOKS = (
     "before_attach",
+    "after_attach",
     "before_flush",
     "after_flush",
     "before_commit",
@@ -125,9 +131,20 @@ class Installation:
                 self.catalog, max_message_bytes=self.settings.max_message_bytes
             )
 
+    def _after_attach(self, session: Session, instance: object) -> None:
+        # A Dispatch added while the session flushes (the application's own before_flush
+        # listener, an audit pattern, or a mapper event) would otherwise be INSERTed as
+        # itself by this flush, whose plan no longer passes through _before_flush: take it
+        # out now; after_flush (or before_commit, or the next flush) writes its rows.
+        if isinstance(instance, (Dispatch, Publish)) and getattr(session, "_flushing", False):
+            session.expunge(instance)
+            assert instance._prepared is not None
+            _state(session).deferred.extend(instance._prepared)
+
     def _before_flush(self, session: Session, flush_context: Any, instances: Any) -> None:
         scheduled = [obj for obj in session.new if isinstance(obj, (Dispatch, Publish))]
-        if not scheduled:
+        known = session.info.get(_STATE_KEY)
+        if not scheduled and (known is None or not known.deferred):
             return
         state = _state(session)
         for obj in scheduled:

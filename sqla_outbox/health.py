@@ -182,11 +182,12 @@ def _check_database(settings: OutboxSettings) -> CheckResult:
         )
         with engine.connect() as conn:
             missing = migrations.missing_tables(conn)
+            message = migrations.missing_tables_message(url, missing, connection=conn) if missing else ""
         engine.dispose()
     except Exception as exc:
         return CheckResult("postgresql", False, f"{url}: {type(exc).__name__}")
     if missing:
-        return CheckResult("postgresql", False, migrations.missing_tables_message(url, missing))
+        return CheckResult("postgresql", False, message)
     return CheckResult("postgresql", True, url)
 
 

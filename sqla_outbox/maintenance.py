@@ -3,8 +3,11 @@
 What is deleted (SPEC "Maintenance"; issue 6, item 3):
 
 * **sent outbox rows** of ``outbox_messages`` and ``platform_outbox_messages`` whose
-  ``sent_at`` is older than ``purge_sent_after_days`` (default 7 days). Rows with
-  ``sent_at IS NULL`` are pending and are never deleted, however old.
+  ``sent_at`` is older than ``purge_sent_after_days`` (default 7 days) **and whose run is
+  finished**: a sent row of a ``queued``, ``running`` or ``retrying`` run is kept however
+  old (the worker checks received envelopes against it, and it is the only copy of the
+  payload if SQS loses or expires the message). Rows with ``sent_at IS NULL`` are pending
+  and are never deleted, however old.
 * **succeeded runs** whose ``finished_at`` is older than ``purge_succeeded_after_days``
   (default 7 days), and **failed runs** older than ``purge_failed_after_days`` (default
   30 days), each with its ``task_run_trail`` rows (foreign key ``ON DELETE CASCADE``).
@@ -49,6 +52,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqla_outbox.catalog import Catalog, TaskSpec
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
+from sqla_outbox.types import UNFINISHED_STATUSES
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,8 @@ PURGE_SCHEDULE = {"cron": "17 3 * * *"}
 
 BUILTIN_TASKS = (PURGE_TASK,)
 """Tasks sqla_outbox registers itself; workers always have them."""
+
+_UNFINISHED = ", ".join(f"'{s}'" for s in UNFINISHED_STATUSES)
 
 LOCK_TIMEOUT_MS = 5000
 """``lock_timeout`` of each purge batch (SKIP LOCKED already avoids row-lock waits)."""
@@ -84,15 +90,24 @@ class _Category:
     count_sql: Any
 
 
+# A sent row whose run is unfinished is still needed: the worker compares each received
+# envelope with it (``envelope-mismatch``), and it is the only copy of the payload for a
+# re-send (`outbox resend`) if SQS lost or expired the message.
+_SENT_FILTER = f"""
+    o.sent_at < :cutoff
+    AND NOT EXISTS (SELECT 1 FROM task_runs r WHERE r.run_id = o.run_id AND r.status IN ({_UNFINISHED}))
+"""
+
+
 def _outbox_category(table: str) -> _Category:
     delete = text(
         f"""
 WITH doomed AS (
-    SELECT id FROM {table}
-    WHERE sent_at < :cutoff
-    ORDER BY sent_at
+    SELECT o.id FROM {table} AS o
+    WHERE {_SENT_FILTER}
+    ORDER BY o.sent_at
     LIMIT :limit
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF o SKIP LOCKED
 ),
 gone AS (
     DELETE FROM {table} AS t USING doomed WHERE t.id = doomed.id RETURNING 1
@@ -101,18 +116,21 @@ SELECT (SELECT count(*) FROM gone) AS deleted, 0 AS trail_rows
 """
     ).bindparams(bindparam("cutoff", type_=_TIMESTAMPTZ), bindparam("limit", type_=Integer))
     count = text(
-        f"SELECT count(*) AS deleted, 0 AS trail_rows FROM {table} WHERE sent_at < :cutoff"
+        f"SELECT count(*) AS deleted, 0 AS trail_rows FROM {table} AS o WHERE {_SENT_FILTER}"
     ).bindparams(bindparam("cutoff", type_=_TIMESTAMPTZ))
     return _Category(name=table, table=table, delete_sql=delete, count_sql=count)
 
 
 # A finished run whose outbox row is pending again (requeued) is not finished any more
-# by the time anyone reads it; the NOT EXISTS guards keep the purge from racing that.
+# by the time anyone reads it; the NOT EXISTS guards keep the purge from racing that. A
+# parked row (sent_at NULL, parked_at set) is not pending: its failed run is purged with
+# it (the row cannot be put back without its run).
 _RUN_FILTER = """
     r.status = '{status}' AND r.finished_at < :cutoff
-    AND NOT EXISTS (SELECT 1 FROM outbox_messages o WHERE o.run_id = r.run_id AND o.sent_at IS NULL)
+    AND NOT EXISTS (SELECT 1 FROM outbox_messages o
+                    WHERE o.run_id = r.run_id AND o.sent_at IS NULL AND o.parked_at IS NULL)
     AND NOT EXISTS (SELECT 1 FROM platform_outbox_messages p
-                    WHERE p.run_id = r.run_id AND p.sent_at IS NULL)
+                    WHERE p.run_id = r.run_id AND p.sent_at IS NULL AND p.parked_at IS NULL)
 """
 
 
@@ -131,6 +149,13 @@ WITH doomed AS (
 ),
 gone AS (
     DELETE FROM task_runs AS t USING doomed WHERE t.run_id = doomed.run_id RETURNING t.run_id
+),
+parked AS (
+    DELETE FROM outbox_messages AS o USING gone WHERE o.run_id = gone.run_id AND o.parked_at IS NOT NULL
+),
+parked_platform AS (
+    DELETE FROM platform_outbox_messages AS p USING gone
+    WHERE p.run_id = gone.run_id AND p.parked_at IS NOT NULL
 )
 SELECT (SELECT count(*) FROM gone) AS deleted,
        (SELECT count(*) FROM task_run_trail WHERE run_id IN (SELECT run_id FROM gone)) AS trail_rows

@@ -27,6 +27,11 @@ RELAY_FAILED = Counter(
     "Outbox rows SQS did not accept (they stay pending with backoff).",
     ["queue", "error_code"],
 )
+RELAY_PARKED = Counter(
+    "sqla_outbox_relay_messages_parked",
+    "Outbox rows SQS refused for good: parked, their runs failed (`python -m sqla_outbox outbox unpark`).",
+    ["queue", "error_code"],
+)
 RELAY_BATCH_SIZE = Histogram(
     "sqla_outbox_relay_batch_size",
     "Entries per SendMessageBatch call.",

@@ -14,6 +14,7 @@ Tables:
 * ``task_run_trail`` — one row per status change or error of a run.
 * ``webhook_endpoints`` — per tenant: where webhook events are delivered, and how signed.
 * ``worker_presence`` — the running workers, the tasks they implement and their heartbeat.
+* ``schedule_slots`` — the latest slot the relay dispatched per scheduled task.
 """
 
 from __future__ import annotations
@@ -78,9 +79,15 @@ def _outbox_columns_doc() -> str:
         available_at: When the relay may send it; set on the database clock at dispatch
             (``clock_timestamp()`` + delay) and pushed forward by send backoff.
         sent_at: Set by the relay in the claiming transaction once SQS accepted the
-            message; NULL means pending.
+            message; NULL means pending (or parked).
         attempts: Failed send attempts, incremented by the relay; CHECK >= 0.
         created_at: Insert time, ``clock_timestamp()``.
+        parked_at: Set by the relay when SQS refused the message for good (a refusal
+            that cannot succeed on retry, or ``relay_max_send_attempts`` refusals): the
+            relay no longer claims it and its run is ``failed``. NULL otherwise; cleared
+            by ``python -m sqla_outbox outbox unpark``. Never set together with sent_at.
+        last_error: The last failed send, ``<SQS error code>: <message>``; NULL while
+            no send failed. Written by the relay.
     """
 
 
@@ -97,16 +104,24 @@ class OutboxMessage(Base):
     sent_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
     attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     created_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+    parked_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
+    last_error: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (
         CheckConstraint("attempts >= 0", name="attempts"),
         CheckConstraint("jsonb_typeof(envelope) = 'object'", name="envelope"),
         CheckConstraint(f"queue IN ({_QUEUE_LIST})", name="queue"),
+        CheckConstraint("sent_at IS NULL OR parked_at IS NULL", name="parked"),
         Index(
             "outbox_messages_pending_idx",
             "available_at",
             "id",
-            postgresql_where=text("sent_at IS NULL"),
+            postgresql_where=text("sent_at IS NULL AND parked_at IS NULL"),
+        ),
+        Index(
+            "outbox_messages_parked_idx",
+            "parked_at",
+            postgresql_where=text("parked_at IS NOT NULL"),
         ),
         Index(
             "outbox_messages_sent_at_idx",
@@ -128,16 +143,24 @@ class PlatformOutboxMessage(Base):
     sent_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
     attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     created_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+    parked_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
+    last_error: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (
         CheckConstraint("attempts >= 0", name="attempts"),
         CheckConstraint("jsonb_typeof(envelope) = 'object'", name="envelope"),
         CheckConstraint(f"queue IN ({_QUEUE_LIST})", name="queue"),
+        CheckConstraint("sent_at IS NULL OR parked_at IS NULL", name="parked"),
         Index(
             "platform_outbox_messages_pending_idx",
             "available_at",
             "id",
-            postgresql_where=text("sent_at IS NULL"),
+            postgresql_where=text("sent_at IS NULL AND parked_at IS NULL"),
+        ),
+        Index(
+            "platform_outbox_messages_parked_idx",
+            "parked_at",
+            postgresql_where=text("parked_at IS NOT NULL"),
         ),
         Index(
             "platform_outbox_messages_sent_at_idx",
@@ -331,12 +354,35 @@ class WorkerPresence(Base):
     heartbeat_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
 
 
+class ScheduleSlot(Base):
+    """The latest slot the relay dispatched for one scheduled task.
+
+    Columns:
+        task: The scheduled task (primary key).
+        last_slot: The latest slot dispatched (UTC); the relay dispatches only later
+            slots, so a purged run's slot is never dispatched again.
+        run_id: The run dispatched for ``last_slot``.
+        updated_at: When the row last changed, ``clock_timestamp()``.
+
+    Written by the active relay in the transaction that writes the slot's run; never
+    deleted by ``maintenance.purge``.
+    """
+
+    __tablename__ = "schedule_slots"
+
+    task: Mapped[str] = mapped_column(Text, primary_key=True)
+    last_slot: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ)
+    run_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True))
+    updated_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+
+
 outbox_messages: Table = OutboxMessage.__table__  # type: ignore[assignment]
 platform_outbox_messages: Table = PlatformOutboxMessage.__table__  # type: ignore[assignment]
 task_runs: Table = TaskRun.__table__  # type: ignore[assignment]
 task_run_trail: Table = TaskRunTrail.__table__  # type: ignore[assignment]
 webhook_endpoints: Table = WebhookEndpoint.__table__  # type: ignore[assignment]
 worker_presence: Table = WorkerPresence.__table__  # type: ignore[assignment]
+schedule_slots: Table = ScheduleSlot.__table__  # type: ignore[assignment]
 
 
 def set_tenant_foreign_key(target: str | Column[Any] | None) -> None:

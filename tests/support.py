@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -143,21 +144,32 @@ def closed_port_url() -> str:
 
 
 # --- moto -------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+
+
 @dataclasses.dataclass
 class MotoServer:
+    """A moto SQS server subprocess behind the AWS-strict layer (:mod:`tests.strict_sqs`).
+
+    ``strict=False`` serves plain moto (with :func:`sqla_outbox.moto_server.patch_moto`),
+    for measuring what the strict layer costs.
+    """
+
     process: subprocess.Popen[bytes]
     endpoint: str
 
     @classmethod
-    def start(cls) -> MotoServer:
+    def start(cls, *, strict: bool = True) -> MotoServer:
         port = free_port()
         env = dict(os.environ)
         env.update(AWS_ENV)
+        module = "tests.strict_sqs" if strict else "sqla_outbox.moto_server"
         process = subprocess.Popen(
-            [sys.executable, "-m", "sqla_outbox.moto_server", "-H", "127.0.0.1", "-p", str(port)],
+            [sys.executable, "-m", module, "-H", "127.0.0.1", "-p", str(port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=env,
+            cwd=ROOT,
         )
         endpoint = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
@@ -294,9 +306,13 @@ class TcpProxy:
 
 
 # --- SQS helpers --------------------------------------------------------------------------
-def sqs_client(endpoint: str) -> Any:
+def sqs_client(endpoint: str, *, protocol: str = "json") -> Any:
+    """A boto3 SQS client; ``protocol="query"`` speaks SQS's older query protocol (form
+    requests, XML answers), as botocore releases before the JSON protocol did."""
     import boto3
 
+    if protocol == "query":
+        return _query_protocol_client(endpoint)
     return boto3.client(
         "sqs",
         endpoint_url=endpoint,
@@ -304,6 +320,127 @@ def sqs_client(endpoint: str) -> Any:
         aws_access_key_id="testing",
         aws_secret_access_key="testing",
     )
+
+
+# The SQS service model botocore ships today is JSON-only; these member names (from the
+# query-protocol model SQS had before) make botocore serialise and parse the query protocol.
+_QUERY_LOCATION_NAMES = {
+    ("SendMessageBatchRequest", "Entries"): "SendMessageBatchRequestEntry",
+    ("DeleteMessageBatchRequest", "Entries"): "DeleteMessageBatchRequestEntry",
+    ("ChangeMessageVisibilityBatchRequest", "Entries"): "ChangeMessageVisibilityBatchRequestEntry",
+    ("SendMessageRequest", "MessageAttributes"): "MessageAttribute",
+    ("SendMessageRequest", "MessageSystemAttributes"): "MessageSystemAttribute",
+    ("SendMessageBatchRequestEntry", "MessageAttributes"): "MessageAttribute",
+    ("SendMessageBatchRequestEntry", "MessageSystemAttributes"): "MessageSystemAttribute",
+    ("ReceiveMessageRequest", "AttributeNames"): "AttributeName",
+    ("ReceiveMessageRequest", "MessageAttributeNames"): "MessageAttributeName",
+    ("ReceiveMessageRequest", "MessageSystemAttributeNames"): "MessageSystemAttributeName",
+    ("ReceiveMessageResult", "Messages"): "Message",
+    ("Message", "Attributes"): "Attribute",
+    ("Message", "MessageAttributes"): "MessageAttribute",
+    ("SendMessageBatchResult", "Successful"): "SendMessageBatchResultEntry",
+    ("SendMessageBatchResult", "Failed"): "BatchResultErrorEntry",
+    ("DeleteMessageBatchResult", "Successful"): "DeleteMessageBatchResultEntry",
+    ("DeleteMessageBatchResult", "Failed"): "BatchResultErrorEntry",
+    ("ChangeMessageVisibilityBatchResult", "Successful"): "ChangeMessageVisibilityBatchResultEntry",
+    ("ChangeMessageVisibilityBatchResult", "Failed"): "BatchResultErrorEntry",
+    ("GetQueueAttributesRequest", "AttributeNames"): "AttributeName",
+    ("GetQueueAttributesResult", "Attributes"): "Attribute",
+    ("CreateQueueRequest", "Attributes"): "Attribute",
+    ("CreateQueueRequest", "tags"): "Tag",
+    ("SetQueueAttributesRequest", "Attributes"): "Attribute",
+    ("ListQueuesResult", "QueueUrls"): "QueueUrl",
+}
+
+
+def _query_protocol_client(endpoint: str) -> Any:
+    import copy
+    import json
+    import tempfile
+
+    import botocore.session
+
+    model = copy.deepcopy(
+        botocore.session.get_session().get_component("data_loader").load_service_model("sqs", "service-2")
+    )
+    model["metadata"].update(
+        protocol="query", protocols=["query"], xmlNamespace="http://queue.amazonaws.com/doc/2012-11-05/"
+    )
+    for (shape, member), name in _QUERY_LOCATION_NAMES.items():
+        model["shapes"][shape]["members"][member]["locationName"] = name
+    for shape in model["shapes"].values():
+        if shape.get("type") == "map":
+            shape["key"]["locationName"] = "Name"
+            shape["value"]["locationName"] = "Value"
+    for name, operation in model["operations"].items():
+        if "output" in operation:
+            operation["output"]["resultWrapper"] = f"{name}Result"
+    directory = Path(tempfile.mkdtemp(prefix="sqs-query-model-"))
+    (directory / "sqs" / "2012-11-05").mkdir(parents=True)
+    (directory / "sqs" / "2012-11-05" / "service-2.json").write_text(json.dumps(model))
+    session = botocore.session.get_session()
+    session.get_component("data_loader").search_paths.insert(0, str(directory))
+    return session.create_client(
+        "sqs",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+
+
+def refuse_messages(
+    endpoint: str,
+    marker: str,
+    code: str = "",
+    *,
+    sender_fault: bool = True,
+    message: str = "",
+    clear: bool = False,
+) -> None:
+    """Make the strict SQS layer fail every message whose body contains ``marker`` (as SQS
+    fails an entry it does not take), or stop doing so (``clear``)."""
+    import json
+
+    document = {
+        "marker": marker,
+        "code": code,
+        "message": message,
+        "sender_fault": sender_fault,
+        "clear": clear,
+    }
+    request = urllib.request.Request(
+        endpoint + "/strict-sqs/refuse", data=json.dumps(document).encode(), method="POST"
+    )
+    urllib.request.urlopen(request, timeout=10).close()
+
+
+def deny_calls(
+    endpoint: str,
+    queue: str,
+    action: str = "SendMessageBatch",
+    *,
+    code: str = "AccessDenied",
+    clear: bool = False,
+) -> None:
+    """Make the strict SQS layer fail every ``action`` call on the queue named ``queue`` (as an
+    IAM or KMS denial does: HTTP 403), or stop doing so (``clear``)."""
+    import json
+
+    document = {"action": action, "queue": queue, "code": code, "clear": clear}
+    request = urllib.request.Request(
+        endpoint + "/strict-sqs/deny", data=json.dumps(document).encode(), method="POST"
+    )
+    urllib.request.urlopen(request, timeout=10).close()
+
+
+def backdate_first_receive(endpoint: str, message_id: str, epoch_seconds: float) -> None:
+    """Tell the strict SQS layer a message was first received at ``epoch_seconds``."""
+    import json
+
+    body = json.dumps({"message_id": message_id, "epoch_seconds": epoch_seconds}).encode()
+    request = urllib.request.Request(endpoint + "/strict-sqs/first-receive", data=body, method="POST")
+    urllib.request.urlopen(request, timeout=10).close()
 
 
 def receive_all(

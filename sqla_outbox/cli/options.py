@@ -262,14 +262,19 @@ def outbox_engine(settings: OutboxSettings) -> Iterator[Any]:
     try:
         with engine.connect() as connection:
             missing = migrations.missing_tables(connection)
+            message = (
+                migrations.missing_tables_message(
+                    redact_url(settings.database_url), missing, connection=connection
+                )
+                if missing
+                else ""
+            )
     except BaseException:
         engine.dispose()
         raise
     if missing:
         engine.dispose()
-        raise errors.ConfigurationError(
-            migrations.missing_tables_message(redact_url(settings.database_url), missing)
-        )
+        raise errors.ConfigurationError(message)
     try:
         yield engine
     finally:

@@ -25,6 +25,11 @@ from sqla_outbox.cli.terminal import console, print_json, table
 @setting("max_message_bytes", "--max-message-bytes", type=int)
 @setting("sqs_managed_sse", "--sse/--no-sse")
 @setting("sqs_kms_key_id", "--kms-key-id")
+@setting("sqs_message_retention_seconds", "--retention-seconds", type=int)
+@setting("visibility_timeout_critical_seconds", "--visibility-critical", type=int)
+@setting("visibility_timeout_default_seconds", "--visibility-default", type=int)
+@setting("visibility_timeout_bulk_seconds", "--visibility-bulk", type=int)
+@setting("visibility_timeout_maintenance_seconds", "--visibility-maintenance", type=int)
 @click.option("--fix", is_flag=True, help="Apply the desired attributes to queues that drifted.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def provision_command(
@@ -32,7 +37,9 @@ def provision_command(
 ) -> None:
     """Create the four queues and their DLQs (idempotent); report attribute drift.
 
-    Exit code 1 when an existing queue drifted and --fix was not given.
+    Visibility timeouts and retention come from the settings, so a change made there
+    (not by hand on the queue) is what --fix applies. Exit code 1 when an existing queue
+    drifted and --fix was not given.
     """
     setup_logging(verbose, log_format)
     with handle_errors(traceback):

@@ -68,6 +68,8 @@ def relay_command(
                 line = f"claimed {result.claimed}, sent {result.sent}, failed {result.failed}"
                 if result.held:  # no live worker implements their task (docs/deployment.md)
                     line += f", held {result.held} (no live worker implements their task)"
+                if result.parked:
+                    line += f" ({result.parked} parked: `python -m sqla_outbox outbox parked`)"
                 echo(line)
             return  # exit code 0 either way: the active relay does the work
         probe = None

@@ -71,7 +71,7 @@ def _render_run(detail: Any, with_tracebacks: bool) -> None:
         ("task", run.task + (f" (event {run.event})" if run.event else "")),
         ("queue", run.queue),
         ("tenant", text(run.tenant_id)),
-        ("status", run.status),
+        ("status", f"{run.status} (outbox row parked: SQS refused it)" if run.parked else run.status),
         ("attempts", str(run.attempts)),
         ("idempotency key", text(run.idempotency_key)),
         ("created", f"{when(run.created_at)} ({format_age(run.age_seconds)} ago)"),
@@ -138,6 +138,12 @@ def _render_run(detail: Any, with_tracebacks: bool) -> None:
 @click.option(
     "--newer-than", callback=duration, metavar="DURATION", help="Only runs created more recently than this."
 )
+@click.option(
+    "--parked/--not-parked",
+    "parked",
+    default=None,
+    help="Only runs whose outbox row the relay parked (SQS refused the message), or only the others.",
+)
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="Most runs shown.")
 @json_option
 def runs_list_command(
@@ -150,6 +156,7 @@ def runs_list_command(
     tenant_id: int | str | None,
     older_than: dt.timedelta | None,
     newer_than: dt.timedelta | None,
+    parked: bool | None,
     limit: int,
     as_json: bool,
     **options: Any,
@@ -168,6 +175,7 @@ def runs_list_command(
             older_than=older_than,
             newer_than=newer_than,
             limit=limit,
+            parked=parked,
         )
         with outbox_connection(settings) as connection:
             found = runs.list_runs(connection, filters)
@@ -184,7 +192,7 @@ def runs_list_command(
                 r.task,
                 r.queue,
                 text(r.tenant_id),
-                r.status,
+                f"{r.status} (parked)" if r.parked else r.status,
                 str(r.attempts),
                 when(r.created_at),
                 format_age(r.age_seconds),

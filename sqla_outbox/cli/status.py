@@ -32,6 +32,15 @@ from sqla_outbox.ops.durations import format_age
     help="Flag running runs whose lease expired longer ago than this.",
 )
 @click.option(
+    "--unreceived-after",
+    callback=duration,
+    metavar="DURATION",
+    default="1d",
+    show_default=True,
+    help="Flag queued runs whose message has waited in SQS longer than this (SQS drops messages "
+    "past the queue's retention; `outbox resend` sends them again).",
+)
+@click.option(
     "--sqs/--no-sqs", "with_sqs", default=True, show_default=True, help="Also read the SQS queue depths."
 )
 @json_option
@@ -40,11 +49,13 @@ def status_command(
     log_format: str,
     traceback: bool,
     stale_after: dt.timedelta,
+    unreceived_after: dt.timedelta,
     with_sqs: bool,
     as_json: bool,
     **options: Any,
 ) -> None:
-    """Pending outbox rows, runs by status (stale running runs flagged), queue and DLQ depths."""
+    """Pending and parked outbox rows, runs by status (stale running and unreceived runs
+    flagged), queue and DLQ depths."""
     setup_logging(verbose, log_format)
     with handle_errors(traceback):
         from sqla_outbox.ops import status
@@ -56,6 +67,7 @@ def status_command(
                 settings,
                 client=sqs_client(settings) if with_sqs else None,
                 stale_after_seconds=stale_after.total_seconds(),
+                unreceived_after=unreceived_after,
             )
         if as_json:
             print_json(jsonable(report))
@@ -92,6 +104,10 @@ def _render_status(report: Any) -> None:
     runs.add_row(
         styled(stale, "red") if report.stale_running_count else stale, str(report.stale_running_count)
     )
+    parked = "failed by a send refusal (parked rows)"
+    runs.add_row(styled(parked, "red") if report.parked_count else parked, str(report.parked_count))
+    late = f"queued, unreceived > {format_age(report.unreceived_after_seconds)}"
+    runs.add_row(styled(late, "red") if report.unreceived_count else late, str(report.unreceived_count))
     out.print(runs)
     if report.stale_running:
         shown = table(
@@ -108,6 +124,31 @@ def _render_status(report: Any) -> None:
             )
         out.print(shown)
     _render_workers(out, report)
+    if report.parked:
+        shown = table(
+            f"Parked outbox rows: SQS refuses them ({report.parked_count}; `outbox unpark` after a fix)",
+            ("run_id", "task", "queue", "run status", "parked at (UTC)", "SQS error"),
+        )
+        for p in report.parked:
+            shown.add_row(str(p.run_id), p.task, p.queue, p.status, when(p.parked_at), text(p.last_error))
+        out.print(shown)
+    if report.unreceived:
+        shown = table(
+            "Unreceived runs: queued, message waiting in SQS > "
+            f"{format_age(report.unreceived_after_seconds)} "
+            f"({report.unreceived_count}; `outbox resend` sends them again)",
+            ("run_id", "task", "queue", "tenant", "sent (UTC)", "waiting"),
+        )
+        for u in report.unreceived:
+            shown.add_row(
+                str(u.run_id),
+                u.task,
+                u.queue,
+                text(u.tenant_id),
+                when(u.sent_at),
+                format_age(u.waiting_seconds),
+            )
+        out.print(shown)
     if report.queues is not None:
         shown = table("SQS queues", ("queue", "SQS name", "kind", "visible", "in flight", "delayed"))
         for q in report.queues:

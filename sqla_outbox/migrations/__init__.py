@@ -47,6 +47,7 @@ OUTBOX_TABLES = (
     "task_run_trail",
     "webhook_endpoints",
     "worker_presence",
+    "schedule_slots",
 )
 """The tables the migrations create (the version table aside)."""
 
@@ -172,15 +173,53 @@ def is_missing_outbox_table(exc: BaseException) -> bool:
     return any(table in statement for table in OUTBOX_TABLES)
 
 
-def missing_tables_message(database: str, missing: list[str] | None = None) -> str:
+MIGRATE_ADVICE = (
+    "run `python -m sqla_outbox migrate`, or `alembic upgrade heads` if your application's "
+    "Alembic environment holds sqla_outbox's migrations (docs/alembic.md)"
+)
+"""What to do about missing outbox tables when it is not known who migrates the database."""
+
+
+def migrate_advice(connection: Any = None) -> str:
+    """How to create the outbox tables in the connection's database.
+
+    Decided by the version tables present: ``sqla_outbox_alembic_version`` (the standalone
+    ``python -m sqla_outbox migrate``) → ``migrate``; only the application's
+    ``alembic_version`` → its own ``alembic upgrade heads`` (our revisions belong in its
+    environment, docs/alembic.md); neither, or no connection → :data:`MIGRATE_ADVICE`.
+    """
+    if connection is None:
+        return MIGRATE_ADVICE
+    import sqlalchemy as sa
+
+    try:
+        standalone, application = connection.execute(
+            sa.text("SELECT to_regclass(:ours) IS NOT NULL, to_regclass('alembic_version') IS NOT NULL"),
+            {"ours": VERSION_TABLE},
+        ).one()
+    except sa.exc.DBAPIError:
+        return MIGRATE_ADVICE
+    if standalone:
+        return "run `python -m sqla_outbox migrate`"
+    if application:
+        return (
+            "your application's Alembic environment manages this database: add sqla_outbox's "
+            "migrations to it and run `alembic upgrade heads` there (docs/alembic.md)"
+        )
+    return MIGRATE_ADVICE
+
+
+def missing_tables_message(database: str, missing: list[str] | None = None, *, connection: Any = None) -> str:
     """The one-line explanation for a database whose outbox tables do not exist.
 
     Args:
         database: The database URL with its password masked.
         missing: The tables not found, when only some are missing.
+        connection: A connection to that database, to tell who migrates it
+            (:func:`migrate_advice`); None gives both ways.
     """
     which = f" ({', '.join(missing)} not found)" if missing and len(missing) < len(OUTBOX_TABLES) else ""
-    return f"the outbox tables are missing in {database}{which}: run `python -m sqla_outbox migrate`"
+    return f"the outbox tables are missing in {database}{which}: {migrate_advice(connection)}"
 
 
 def current_revisions(target: Any) -> tuple[str, ...]:
@@ -255,6 +294,26 @@ def target_metadata(*application_metadata: Any) -> list[Any]:
                 option="SQLA_OUTBOX_TENANT_FOREIGN_KEY",
             )
     return [*application_metadata, models.metadata]
+
+
+def include_object(object_: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
+    """Alembic ``include_object`` hook that keeps sqla_outbox's tables out of an
+    application's autogenerate.
+
+    Autogenerate proposes dropping every table it finds in the database but not in
+    ``target_metadata``. An application whose ``target_metadata`` does not hold ours
+    (it does not call :func:`target_metadata`), or whose database has the standalone
+    version table ``sqla_outbox_alembic_version`` (tables created by ``python -m
+    sqla_outbox migrate``), would see ``remove_table`` for them in every
+    ``alembic revision --autogenerate`` and ``alembic check``. Pass this as
+    ``context.configure(..., include_object=include_object)``, or call it from your own
+    hook: it returns False for those tables (and their indexes and constraints) when they
+    are reflected from the database and not in your metadata, True for everything else.
+    """
+    if not reflected or compare_to is not None:
+        return True
+    table = name if type_ == "table" else getattr(getattr(object_, "table", None), "name", None)
+    return table not in (*OUTBOX_TABLES, VERSION_TABLE)
 
 
 def alembic_config(url: str | None = None, **attributes: Any) -> Any:

@@ -81,7 +81,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from sqla_outbox import envelope
+from sqla_outbox import charsets, envelope
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
 from sqla_outbox.ops.dlq import (
@@ -162,7 +162,7 @@ WHERE run_id = :run_id AND status = 'failed'
 _RESET_OUTBOX = {
     table: text(
         f"""
-UPDATE {table} SET sent_at = NULL, attempts = 0, available_at = clock_timestamp()
+UPDATE {table} SET sent_at = NULL, parked_at = NULL, attempts = 0, available_at = clock_timestamp()
 WHERE run_id = :run_id RETURNING id
 """
     ).bindparams(_RUN_ID)
@@ -189,6 +189,12 @@ VALUES (:run_id, 'queued', :attempt, :worker, CAST(:detail AS jsonb))
 """
 ).bindparams(_RUN_ID, bindparam("detail", type_=Text))
 _NOTIFY = text(f"SELECT pg_notify('{WAKE_CHANNEL}', '')")
+HOLDER_OF_KEY = _HOLDER
+"""Another unfinished run holding a run's task + tenant + idempotency key (parameters
+``task``, ``key``, ``tenant_id``, ``run_id``); also used by :mod:`sqla_outbox.ops.resend`."""
+RUN_TO_QUEUED = _RUN_TO_QUEUED
+"""``failed`` → ``queued`` for a run given back to the outbox (parameter ``run_id``)."""
+
 _QUEUES_OF = text("SELECT run_id, queue FROM task_runs WHERE run_id = ANY(:run_ids)").bindparams(
     bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True)))
 )
@@ -430,7 +436,7 @@ def requeue_run(
                 "run_id": run_id,
                 "attempt": run.attempts,
                 "worker": operator or operator_id(),
-                "detail": json.dumps(detail),
+                "detail": json.dumps(charsets.jsonb_safe(detail)),  # DLQ attributes: untrusted text
             },
         )
         if settings.wake_notify:  # the PostgreSQL wake: delivered if the transaction commits

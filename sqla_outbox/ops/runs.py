@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from sqla_outbox import errors
-from sqla_outbox.models import task_run_trail, task_runs
+from sqla_outbox.models import outbox_messages, platform_outbox_messages, task_run_trail, task_runs
 
 DEFAULT_LIMIT = 50
 
@@ -34,7 +34,8 @@ RunNotFound = errors.RunNotFound
 @dataclasses.dataclass(frozen=True)
 class RunRecord:
     """A ``task_runs`` row (see :class:`sqla_outbox.models.TaskRun` for each column),
-    plus ``age_seconds``: database now minus ``created_at``."""
+    plus ``age_seconds``: database now minus ``created_at``, and ``parked``: its outbox row
+    is parked (SQS refused the message for good; ``python -m sqla_outbox outbox unpark``)."""
 
     run_id: uuid.UUID
     task: str
@@ -55,6 +56,7 @@ class RunRecord:
     last_error: str | None
     dead_lettered_at: dt.datetime | None
     age_seconds: float
+    parked: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +126,7 @@ class RunFilter:
         tasks: Task names (any of). statuses: Run statuses (any of).
         queues: Logical queues (any of).
         tenant_id: A tenant id; ``"platform"`` selects runs without a tenant; None: any.
+        parked: Only runs whose outbox row is parked (True) or is not (False); None: any.
         older_than: Only runs created longer ago than this.
         newer_than: Only runs created more recently than this.
         created_after / created_before: Only runs created at or after / before this
@@ -146,10 +149,18 @@ class RunFilter:
     before: RunCursor | None = None
     after: RunCursor | None = None
     limit: int = DEFAULT_LIMIT
+    parked: bool | None = None
 
 
 _NOW = sa.func.clock_timestamp(type_=sa.DateTime(timezone=True))
 _AGE = sa.cast(sa.extract("epoch", _NOW - task_runs.c.created_at), sa.Float).label("age_seconds")
+_IS_PARKED = sa.or_(
+    *(
+        sa.exists().where(table.c.run_id == task_runs.c.run_id, table.c.parked_at.is_not(None))
+        for table in (outbox_messages, platform_outbox_messages)
+    )
+)
+_PARKED = _IS_PARKED.label("parked")
 
 
 def _record(row: Any) -> RunRecord:
@@ -167,7 +178,9 @@ def get_run(connection: Connection, run_id: uuid.UUID, *, with_traceback: bool =
     Raises:
         RunNotFound: No such run.
     """
-    row = connection.execute(sa.select(task_runs, _AGE).where(task_runs.c.run_id == run_id)).one_or_none()
+    row = connection.execute(
+        sa.select(task_runs, _AGE, _PARKED).where(task_runs.c.run_id == run_id)
+    ).one_or_none()
     if row is None:
         raise RunNotFound(run_id)
     trail = [
@@ -201,7 +214,9 @@ def list_runs(connection: Connection, filters: RunFilter) -> list[RunRecord]:
         raise errors.ConfigurationError("must be >= 1", option="--limit")
     if filters.before is not None and filters.after is not None:
         raise errors.ConfigurationError("give one of before and after", option="cursor")
-    query = sa.select(task_runs, _AGE)
+    query = sa.select(task_runs, _AGE, _PARKED)
+    if filters.parked is not None:
+        query = query.where(_IS_PARKED if filters.parked else sa.not_(_IS_PARKED))
     if filters.tasks:
         query = query.where(task_runs.c.task.in_(list(filters.tasks)))
     if filters.statuses:

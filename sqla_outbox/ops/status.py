@@ -15,6 +15,12 @@ Four readings, each a small query or API call:
   workers (what they implement, how fresh their heartbeat is) and the due pending runs
   whose task no live worker implements on their queue (a rolling deploy in progress, or a
   task no deployed code has), with how long the oldest has waited since it became due;
+* **parked outbox rows** (:func:`sqla_outbox.ops.resend.parked_runs`): rows SQS refused
+  for good; their runs are ``failed`` with the SQS error (``outbox unpark`` puts them back);
+* **unreceived runs** (:func:`sqla_outbox.ops.resend.unreceived`): ``queued`` runs whose
+  message has waited in SQS longer than ``unreceived_after`` (default 1 day). SQS drops a
+  message nobody received within the queue's retention (``sqs_message_retention_seconds``)
+  without a trace; ``outbox resend`` sends such runs again;
 * **SQS depths** (:func:`queue_depths`): ``ApproximateNumberOfMessages`` (visible),
   ``...NotVisible`` (in flight) and ``...Delayed`` for each source queue and DLQ. SQS
   documents these as approximate (eventually consistent, about a minute).
@@ -31,6 +37,7 @@ from sqlalchemy.engine import Connection
 
 from sqla_outbox import presence
 from sqla_outbox.config import OutboxSettings
+from sqla_outbox.ops import resend
 from sqla_outbox.sqs.client import error_code
 from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
 
@@ -45,7 +52,7 @@ SELECT 'outbox_messages' AS tbl, queue, count(*) AS pending,
        EXTRACT(EPOCH FROM clock_timestamp()
            - min(available_at) FILTER (WHERE available_at <= clock_timestamp()))::float8 AS due_age,
        max(attempts) AS max_attempts
-FROM outbox_messages WHERE sent_at IS NULL GROUP BY queue
+FROM outbox_messages WHERE sent_at IS NULL AND parked_at IS NULL GROUP BY queue
 UNION ALL
 SELECT 'platform_outbox_messages', queue, count(*),
        count(*) FILTER (WHERE available_at <= clock_timestamp()),
@@ -53,7 +60,7 @@ SELECT 'platform_outbox_messages', queue, count(*),
        EXTRACT(EPOCH FROM clock_timestamp()
            - min(available_at) FILTER (WHERE available_at <= clock_timestamp()))::float8,
        max(attempts)
-FROM platform_outbox_messages WHERE sent_at IS NULL GROUP BY queue
+FROM platform_outbox_messages WHERE sent_at IS NULL AND parked_at IS NULL GROUP BY queue
 ORDER BY 1, 2
 """
 )
@@ -161,6 +168,10 @@ class StatusReport:
         queues: Depth of every source queue and DLQ; None when SQS was not asked.
         workers: Live workers (heartbeat within ``presence.PRESENCE_TTL_SECONDS``).
         waiting_for_a_worker: Due pending runs no live worker implements, per task and queue.
+        parked_count / parked: Parked outbox rows, and up to ``stale_limit`` of their runs.
+        unreceived_after_seconds: Threshold used for unreceived runs.
+        unreceived_count / unreceived: ``queued`` runs whose message has waited in SQS
+            longer than that, and up to ``stale_limit`` of them, longest first.
     """
 
     database_time: dt.datetime
@@ -172,6 +183,11 @@ class StatusReport:
     queues: list[QueueDepth] | None
     workers: list[presence.LiveWorker] = dataclasses.field(default_factory=list)
     waiting_for_a_worker: list[presence.WaitingTask] = dataclasses.field(default_factory=list)
+    parked_count: int = 0
+    parked: list[resend.ParkedRun] = dataclasses.field(default_factory=list)
+    unreceived_after_seconds: float = resend.DEFAULT_UNRECEIVED_AFTER.total_seconds()
+    unreceived_count: int = 0
+    unreceived: list[resend.UnreceivedRun] = dataclasses.field(default_factory=list)
 
 
 def pending_rows(connection: Connection) -> list[PendingRows]:
@@ -260,6 +276,7 @@ def collect(
     client: Any = None,
     stale_after_seconds: float = DEFAULT_STALE_AFTER_SECONDS,
     stale_limit: int = 20,
+    unreceived_after: dt.timedelta = resend.DEFAULT_UNRECEIVED_AFTER,
 ) -> StatusReport:
     """Take the whole report.
 
@@ -268,7 +285,8 @@ def collect(
         settings: Queue names come from ``queue_prefix``.
         client: boto3 SQS client; None skips the SQS depths.
         stale_after_seconds: See :func:`stale_running`.
-        stale_limit: Most stale runs listed.
+        stale_limit: Most stale, parked and unreceived runs listed.
+        unreceived_after: Flag ``queued`` runs whose message waited in SQS longer.
 
     Raises:
         sqlalchemy.exc.DBAPIError: The database could not be read.
@@ -276,7 +294,13 @@ def collect(
     database_time: dt.datetime = connection.execute(text("SELECT clock_timestamp()")).scalar_one()
     count, stale = stale_running(connection, stale_after_seconds=stale_after_seconds, limit=stale_limit)
     workers = presence.live_workers(connection)
+    listed = resend.Selection(limit=stale_limit)
     return StatusReport(
+        parked_count=resend.parked_count(connection),
+        parked=resend.parked_runs(connection, listed),
+        unreceived_after_seconds=unreceived_after.total_seconds(),
+        unreceived_count=resend.unreceived_count(connection, older_than=unreceived_after),
+        unreceived=resend.unreceived(connection, older_than=unreceived_after, selection=listed),
         database_time=database_time,
         pending=pending_rows(connection),
         runs_by_status=runs_by_status(connection),

@@ -48,15 +48,16 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from sqla_outbox import metrics, migrations
+from sqla_outbox import charsets, metrics, migrations
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import error_fields, log_extra
 from sqla_outbox.relay import claim
+from sqla_outbox.relay.claim import ClaimedRow
 from sqla_outbox.relay.hold import Holder
 from sqla_outbox.relay.listen import NotifyListener
 from sqla_outbox.relay.schedule import Scheduler
-from sqla_outbox.relay.send import Sender, SendResult
+from sqla_outbox.relay.send import ENTRY, REFUSED, Sender, SendFailure, SendResult
 from sqla_outbox.wakeup import WakeListener
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,10 @@ class PassResult:
     """Outcome of one claim → send → mark pass.
 
     Attributes:
-        claimed: Rows claimed. sent: Rows SQS accepted. failed: Rows backed off.
+        claimed: Rows claimed. sent: Rows SQS accepted. failed: Rows SQS did not take
+            (backed off or parked). parked: Of those, rows parked (SQS refuses them).
+        stalled: The failed rows could not be recorded (they stay due): the relay waits
+            its backoff before the next pass instead of retrying them at once.
         held: Rows kept pending because no live worker implements their task.
         full: Some table returned a full batch (more may be waiting).
         leader: This relay held the leadership lock for the pass. False only from
@@ -85,8 +89,10 @@ class PassResult:
     sent: int = 0
     failed: int = 0
     held: int = 0
+    parked: int = 0
     full: bool = False
     leader: bool = True
+    stalled: bool = False
 
 
 @dataclasses.dataclass
@@ -190,6 +196,7 @@ class Relay:
         self.scheduler = _make_scheduler(settings, catalog)
         self._next_slot_at: float | None = None
         self.holder = Holder() if settings.relay_hold_unserved else None
+        self._backoff = 0.5
 
     # --- public control ------------------------------------------------------------------
     @property
@@ -235,7 +242,7 @@ class Relay:
     # --- main loop -----------------------------------------------------------------------
     def run(self) -> None:
         """Compete for leadership and relay until :meth:`stop` is called."""
-        backoff = 0.5
+        self._backoff = 0.5
         logger.info(
             "relay started",
             extra=log_extra(
@@ -247,20 +254,30 @@ class Relay:
                 try:
                     with self.engine.connect() as connection:
                         if self._try_lock(connection):
-                            backoff = 0.5
                             self._lead(connection)
                         else:
                             self._stop.wait(self.settings.relay_standby_poll_seconds)
                 except sa.exc.DBAPIError as exc:
                     self._set_leader(False)
+                    # the backoff grows until a pass succeeds (not merely until the lock is
+                    # taken again), so a statement that fails every time is not retried twice
+                    # a second forever
+                    if migrations.is_missing_outbox_table(exc):
+                        message = f"the outbox tables are missing ({migrations.MIGRATE_ADVICE}); retrying"
+                    elif exc.connection_invalidated or isinstance(
+                        exc, sa.exc.OperationalError | sa.exc.InterfaceError
+                    ):
+                        message = "relay lost the database; retrying"
+                    else:
+                        message = "relay pass failed in the database; retrying"
                     logger.warning(
-                        "the outbox tables are missing (run `python -m sqla_outbox migrate`); retrying"
-                        if migrations.is_missing_outbox_table(exc)
-                        else "relay lost the database; retrying",
-                        extra=log_extra(action="relay.db_error", **error_fields(exc), retry_in_s=backoff),
+                        message,
+                        extra=log_extra(
+                            action="relay.db_error", **error_fields(exc), retry_in_s=self._backoff
+                        ),
                     )
-                    self._stop.wait(backoff)
-                    backoff = min(backoff * 2, 10.0)
+                    self._stop.wait(self._backoff)
+                    self._backoff = min(self._backoff * 2, 10.0)
         finally:
             self._set_leader(False)
             if self._sender is not None:
@@ -329,6 +346,11 @@ class Relay:
                 ).inc()
                 if woken and not result.claimed:  # a wake for nothing: hold the next one
                     self._wakes_held_until = time.monotonic() + WAKE_HOLD_SECONDS
+                if result.stalled:
+                    self._stop.wait(self._backoff)
+                    self._backoff = min(self._backoff * 2, 10.0)
+                else:
+                    self._backoff = 0.5
                 if self.scheduler is not None and self._slot_due():
                     if self.scheduler.tick(connection):
                         self._again = True
@@ -405,13 +427,10 @@ class Relay:
             outcome: SendResult = self.sender.send(rows)
             for table in claim.TABLES:
                 claim.mark_sent(connection, table, [r.id for r in outcome.sent if r.table == table])
-                claim.mark_failed(
-                    connection,
-                    table,
-                    [r.id for r, _ in outcome.failed if r.table == table],
-                    base_seconds=self.settings.relay_backoff_base_seconds,
-                    max_seconds=self.settings.relay_backoff_max_seconds,
-                )
+            if outcome.failed:
+                parked = self._record_failures(connection, outcome.failed)
+                result.stalled = parked is None
+                result.parked = parked or 0
         result.claimed = len(rows) + result.held
         result.sent, result.failed = len(outcome.sent), len(outcome.failed)
         self.counters.passes += 1
@@ -430,6 +449,65 @@ class Relay:
             ),
         )
         return result
+
+    def _record_failures(
+        self, connection: Connection, failed: list[tuple[ClaimedRow, SendFailure]]
+    ) -> int | None:
+        """Back off or park the rows SQS did not take; return how many were parked (None:
+        nothing could be recorded).
+
+        Runs in a savepoint of the pass's transaction, after SQS accepted the other rows:
+        whatever goes wrong here (it should not) is logged and rolled back to the
+        savepoint, and the pass still commits ``sent_at`` of what SQS accepted, so an
+        error after a send can never make the relay send the same messages again and
+        again. The failed rows then stay pending as they were and are retried.
+        """
+        limit = self.settings.relay_max_send_attempts
+        try:
+            with connection.begin_nested():
+                parked = 0
+                for table in claim.TABLES:
+                    retry: list[tuple[ClaimedRow, str]] = []
+                    refuse: list[tuple[ClaimedRow, str, str]] = []
+                    for row, failure in failed:
+                        if row.table != table:
+                            continue
+                        if failure.kind == REFUSED or (failure.kind == ENTRY and row.attempts + 1 >= limit):
+                            code = charsets.for_postgres(failure.code)[:200]
+                            refuse.append((row, code, charsets.for_postgres(failure.message)[:2000]))
+                        else:
+                            retry.append((row, charsets.for_postgres(failure.text)[:2000]))
+                    claim.mark_failed(
+                        connection,
+                        table,
+                        retry,
+                        base_seconds=self.settings.relay_backoff_base_seconds,
+                        max_seconds=self.settings.relay_backoff_max_seconds,
+                    )
+                    claim.park(connection, table, refuse, relay=self.name)
+                    for row, code, _ in refuse:
+                        parked += 1
+                        metrics.RELAY_PARKED.labels(row.queue, code).inc()
+                        logger.error(
+                            "row parked: SQS refuses its message",
+                            extra=log_extra(
+                                action="relay.parked",
+                                run_id=str(row.run_id),
+                                queue=row.queue,
+                                error_code=code,
+                                send_attempts=row.attempts + 1,
+                            ),
+                        )
+                return parked
+        except Exception as exc:
+            logger.error(
+                "could not record failed sends; the rows stay pending and are retried",
+                exc_info=True,
+                extra=log_extra(
+                    action="relay.record_failed", error_type=type(exc).__name__, rows=len(failed)
+                ),
+            )
+            return None
 
     def _refresh_stats(self, connection: Connection) -> None:
         now = time.monotonic()

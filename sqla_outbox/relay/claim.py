@@ -15,9 +15,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, Float, bindparam, text
+from sqlalchemy import BigInteger, Float, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
+
+from sqla_outbox import backoff
 
 TABLES = ("outbox_messages", "platform_outbox_messages")
 
@@ -49,7 +51,7 @@ def _claim_sql(table: str) -> Any:
         f"""
 SELECT id, run_id, queue, {tenant}, envelope, attempts, available_at
 FROM {table}
-WHERE sent_at IS NULL AND available_at <= clock_timestamp()
+WHERE sent_at IS NULL AND parked_at IS NULL AND available_at <= clock_timestamp()
 ORDER BY available_at, id
 LIMIT :limit
 FOR UPDATE SKIP LOCKED
@@ -64,29 +66,72 @@ _MARK_SENT = {
     )
     for table in TABLES
 }
+_MAX_ATTEMPTS_COUNT = 2**31 - 2
+"""``attempts`` is an ``integer``: it stops counting here rather than overflow."""
+
 _MARK_FAILED = {
     table: text(
         f"""
-UPDATE {table}
-SET attempts = attempts + 1,
-    available_at = clock_timestamp()
-        + make_interval(secs => LEAST(:max_seconds, :base_seconds * power(2, attempts)))
-WHERE id = ANY(:ids)
+UPDATE {table} AS o
+SET attempts = LEAST(o.attempts, {_MAX_ATTEMPTS_COUNT}) + 1,
+    available_at = clock_timestamp() + make_interval(secs => f.delay),
+    last_error = f.error
+FROM unnest(CAST(:ids AS bigint[]), CAST(:delays AS float8[]), CAST(:errors AS text[]))
+     AS f(id, delay, error)
+WHERE o.id = f.id AND o.sent_at IS NULL
 """
     ).bindparams(
         bindparam("ids", type_=ARRAY(BigInteger)),
-        bindparam("base_seconds", type_=Float),
-        bindparam("max_seconds", type_=Float),
+        bindparam("delays", type_=ARRAY(Float)),
+        bindparam("errors", type_=ARRAY(Text)),
+    )
+    for table in TABLES
+}
+_PARK = {
+    table: text(
+        f"""
+WITH input AS (
+    SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:codes AS text[]), CAST(:messages AS text[]))
+        AS f(id, code, message)
+),
+parked AS (
+    UPDATE {table} AS o
+    SET parked_at = clock_timestamp(), attempts = LEAST(o.attempts, {_MAX_ATTEMPTS_COUNT}) + 1,
+        last_error = i.code || ': ' || i.message
+    FROM input AS i
+    WHERE o.id = i.id AND o.sent_at IS NULL AND o.parked_at IS NULL
+    RETURNING o.run_id, o.attempts, i.code, i.message
+),
+failed AS (
+    UPDATE task_runs AS r
+    SET status = 'failed', finished_at = clock_timestamp(), updated_at = clock_timestamp(),
+        last_error_type = p.code, last_error = p.message, lease_owner = NULL, lease_expires_at = NULL
+    FROM parked AS p
+    WHERE r.run_id = p.run_id AND r.status = 'queued'
+    RETURNING r.run_id, r.attempts, p.code, p.message, p.attempts AS send_attempts
+),
+trail AS (
+    INSERT INTO task_run_trail (run_id, status, attempt, worker_id, error_type, error_message, detail)
+    SELECT run_id, 'failed', attempts, :relay, code, message,
+           jsonb_build_object('reason', 'send-refused', 'parked', true, 'send_attempts', send_attempts)
+    FROM failed
+)
+SELECT run_id FROM parked
+"""
+    ).bindparams(
+        bindparam("ids", type_=ARRAY(BigInteger)),
+        bindparam("codes", type_=ARRAY(Text)),
+        bindparam("messages", type_=ARRAY(Text)),
     )
     for table in TABLES
 }
 _NEXT_DUE = text(
     """
 SELECT EXTRACT(EPOCH FROM (min(available_at) - clock_timestamp()))::float8 FROM (
-    (SELECT available_at FROM outbox_messages WHERE sent_at IS NULL
+    (SELECT available_at FROM outbox_messages WHERE sent_at IS NULL AND parked_at IS NULL
      ORDER BY available_at LIMIT 1)
     UNION ALL
-    (SELECT available_at FROM platform_outbox_messages WHERE sent_at IS NULL
+    (SELECT available_at FROM platform_outbox_messages WHERE sent_at IS NULL AND parked_at IS NULL
      ORDER BY available_at LIMIT 1)
 ) AS pending
 """
@@ -96,12 +141,12 @@ _PENDING_STATS = text(
 SELECT 'outbox_messages' AS tbl, queue, count(*) AS pending,
        COALESCE(EXTRACT(EPOCH FROM clock_timestamp()
            - min(available_at) FILTER (WHERE available_at <= clock_timestamp())), 0)::float8 AS lag
-FROM outbox_messages WHERE sent_at IS NULL GROUP BY queue
+FROM outbox_messages WHERE sent_at IS NULL AND parked_at IS NULL GROUP BY queue
 UNION ALL
 SELECT 'platform_outbox_messages', queue, count(*),
        COALESCE(EXTRACT(EPOCH FROM clock_timestamp()
            - min(available_at) FILTER (WHERE available_at <= clock_timestamp())), 0)::float8
-FROM platform_outbox_messages WHERE sent_at IS NULL GROUP BY queue
+FROM platform_outbox_messages WHERE sent_at IS NULL AND parked_at IS NULL GROUP BY queue
 """
 )
 
@@ -141,19 +186,71 @@ def mark_sent(connection: Connection, table: str, ids: Sequence[int]) -> None:
 
 
 def mark_failed(
-    connection: Connection, table: str, ids: Sequence[int], *, base_seconds: float, max_seconds: float
+    connection: Connection,
+    table: str,
+    failures: Sequence[tuple[ClaimedRow, str]],
+    *,
+    base_seconds: float,
+    max_seconds: float,
 ) -> None:
-    """Count a failed send and push ``available_at`` forward.
+    """Count a failed send, record its error and push ``available_at`` forward.
 
-    The delay is ``min(max_seconds, base_seconds * 2 ** attempts)`` with ``attempts``
-    the count before this failure (1 s, 2 s, 4 s, ... capped at 300 s by default), so one
-    bad row never holds up the rows behind it.
+    The delay is :func:`sqla_outbox.backoff.exponential_seconds` of the row's
+    ``attempts`` before this failure (1 s, 2 s, 4 s, ... capped at 300 s by default),
+    computed here with the exponent capped, so no failure streak can overflow it; one bad
+    row never holds up the rows behind it.
+
+    Args:
+        connection: The relay's connection, in the pass's transaction.
+        table: One of :data:`TABLES`.
+        failures: ``(row, error)`` with ``error`` the text stored in ``last_error``
+            (``<code>: <message>``, already safe for PostgreSQL).
+        base_seconds / max_seconds: ``relay_backoff_base_seconds`` / ``_max_seconds``.
     """
-    if ids:
+    if failures:
         connection.execute(
             _MARK_FAILED[table],
-            {"ids": list(ids), "base_seconds": base_seconds, "max_seconds": max_seconds},
+            {
+                "ids": [row.id for row, _ in failures],
+                "delays": [
+                    backoff.exponential_seconds(row.attempts, base=base_seconds, cap=max_seconds)
+                    for row, _ in failures
+                ],
+                "errors": [error for _, error in failures],
+            },
         )
+
+
+def park(
+    connection: Connection, table: str, refusals: Sequence[tuple[ClaimedRow, str, str]], *, relay: str
+) -> set[uuid.UUID]:
+    """Park rows SQS refused for good; fail their runs with the SQS error.
+
+    A parked row keeps ``sent_at`` NULL and gets ``parked_at``: the relay never claims it
+    again, and ``python -m sqla_outbox outbox unpark`` puts it back. Its run, if still
+    ``queued``, becomes ``failed`` with ``last_error_type`` the SQS error code and
+    ``last_error`` its message, and a trail row (detail ``{"reason": "send-refused",
+    "parked": true, "send_attempts": n}``). All in the caller's transaction.
+
+    Args:
+        refusals: ``(row, code, message)``; code and message already safe for PostgreSQL.
+        relay: Recorded as the trail row's ``worker_id``.
+
+    Returns:
+        The run ids of the rows parked.
+    """
+    if not refusals:
+        return set()
+    rows = connection.execute(
+        _PARK[table],
+        {
+            "ids": [row.id for row, _, _ in refusals],
+            "codes": [code for _, code, _ in refusals],
+            "messages": [message for _, _, message in refusals],
+            "relay": relay,
+        },
+    )
+    return {row[0] for row in rows}
 
 
 def seconds_until_next_due(connection: Connection) -> float | None:

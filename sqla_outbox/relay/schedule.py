@@ -6,8 +6,11 @@ The active relay checks the schedules on the database clock and, for each task, 
 latest due *slot* into a platform dispatch whose ``run_id`` is derived from the task name
 and the slot time (UUID v5). So:
 
-* two relays, or a relay restarting, never dispatch the same slot twice: the second
-  insert of that run_id resolves quietly to the existing run (``ON CONFLICT``);
+* two relays, or a relay restarting, never dispatch the same slot twice, whatever was
+  purged since: the latest slot dispatched for each task is stored in ``schedule_slots``
+  (never purged), in the transaction that writes the slot's run, and a slot is dispatched
+  only when it is later than the stored one. The deterministic run_id is a second guard
+  while the run exists (a repeated insert resolves quietly to it, ``ON CONFLICT``);
 * **catch-up policy — latest slot only**: after downtime only the most recent missed slot
   is dispatched, once, not one run per missed interval. A task that must process every
   interval should read its own watermark from the payload's ``slot`` and catch up inside
@@ -30,7 +33,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from croniter import croniter  # type: ignore[import-untyped]
-from sqlalchemy import text
+from sqlalchemy import DateTime, Text, bindparam, text
+from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
 
 from sqla_outbox.catalog import Catalog, TaskSpec
@@ -70,6 +74,22 @@ def next_slot(schedule: Mapping[str, Any], now: dt.datetime) -> dt.datetime:
     return slot.astimezone(dt.UTC)
 
 
+_ADVANCE = text(
+    """
+INSERT INTO schedule_slots AS s (task, last_slot, run_id)
+SELECT * FROM unnest(CAST(:tasks AS text[]), CAST(:slots AS timestamptz[]), CAST(:run_ids AS uuid[]))
+ON CONFLICT (task) DO UPDATE
+SET last_slot = EXCLUDED.last_slot, run_id = EXCLUDED.run_id, updated_at = clock_timestamp()
+WHERE s.last_slot < EXCLUDED.last_slot
+RETURNING task
+"""
+).bindparams(
+    bindparam("tasks", type_=ARRAY(Text)),
+    bindparam("slots", type_=ARRAY(DateTime(timezone=True))),
+    bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True))),
+)
+
+
 @dataclasses.dataclass
 class Scheduler:
     """Dispatches the latest due slot of each scheduled task (run by the active relay).
@@ -89,25 +109,44 @@ class Scheduler:
         return [t for t in self.catalog.tasks.values() if t.schedule]
 
     def tick(self, connection: Connection) -> int:
-        """Dispatch every task's latest slot not handled yet. Commits. Returns new runs."""
+        """Dispatch every task's latest slot not handled yet. Commits. Returns new runs.
+
+        In one transaction: advance each task's row of ``schedule_slots`` to its latest
+        slot where that slot is later than the one stored (``INSERT ... ON CONFLICT DO
+        UPDATE ... WHERE last_slot < EXCLUDED.last_slot``), and write the runs of exactly
+        the tasks that advanced. A slot at or before the stored one is never dispatched,
+        so neither a restart, a failover nor a purge of the slot's run repeats it.
+        """
         tasks = self.tasks
         if not tasks:
             return 0
         now: dt.datetime = connection.execute(text("SELECT clock_timestamp()")).scalar_one()
-        prepared = []
         slots: dict[str, dt.datetime] = {}
         for spec in tasks:
             assert spec.schedule is not None
             slot = latest_slot(spec.schedule, now)
-            if self._done.get(spec.name) == slot:
-                continue
-            slots[spec.name] = slot
-            item = Dispatch(spec.name, {"slot": slot.isoformat()}, run_id=slot_run_id(spec.name, slot))
-            prepared.extend(item.prepare(self.catalog, max_message_bytes=self.max_message_bytes))
-        if not prepared:
+            if self._done.get(spec.name) != slot:
+                slots[spec.name] = slot
+        if not slots:
             connection.commit()
             return 0
-        written = write_runs(connection, prepared)
+        advanced = {
+            row[0]
+            for row in connection.execute(
+                _ADVANCE,
+                {
+                    "tasks": list(slots),
+                    "slots": list(slots.values()),
+                    "run_ids": [slot_run_id(task, slot) for task, slot in slots.items()],
+                },
+            )
+        }
+        prepared = []
+        for task in advanced:
+            slot = slots[task]
+            item = Dispatch(task, {"slot": slot.isoformat()}, run_id=slot_run_id(task, slot))
+            prepared.extend(item.prepare(self.catalog, max_message_bytes=self.max_message_bytes))
+        written = write_runs(connection, prepared) if prepared else 0
         connection.commit()
         self._done.update(slots)
         self.dispatched += written

@@ -6,14 +6,23 @@ sum of the message sizes within the maximum message size). The calls run concurr
 a small thread pool (``relay_send_concurrency``), so different queues and consecutive
 batches of one queue are in flight at once.
 
-Two kinds of failure, both reported per row and never raised:
+Every row ends up sent or failed; failures are reported per row, never raised, and each
+carries the SQS error code and message and one of three kinds (:class:`SendFailure`):
 
-* an entry in the response's ``Failed`` list (SQS refused that message);
-* a whole-call failure (endpoint down, throttling, credentials, missing queue), which
-  fails every row of that call.
+* ``refused`` — SQS refused *this message* and would refuse it again: an entry in the
+  response's ``Failed`` list with ``SenderFault`` true, or a call of this entry alone
+  failing with a message-level code (:data:`MESSAGE_REFUSALS`: ``InvalidMessageContents``,
+  ``BatchRequestTooLong``, ``InvalidParameterValue``, ...). The relay parks it at once.
+* ``entry`` — SQS did not take this message but did not blame the sender (an entry
+  failed with ``SenderFault`` false, or not acknowledged at all). The relay retries it
+  with backoff and parks it after ``relay_max_send_attempts``.
+* ``call`` — the whole call failed for a reason no message causes (endpoint down,
+  throttling, credentials, a missing queue, an SQS server error). The relay retries with
+  backoff and never parks for it: the rows resume by themselves when the outage ends.
 
-The relay then counts an attempt and backs the row off; rows in other calls are not
-affected.
+A call of several entries failing with a message-level code (say ``BatchRequestTooLong``
+because the queue's ``MaximumMessageSize`` is below ``max_message_bytes``) is retried at
+once entry by entry, so one message SQS refuses never holds back the others.
 """
 
 from __future__ import annotations
@@ -28,9 +37,57 @@ from sqla_outbox import envelope, metrics
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
 from sqla_outbox.relay.claim import ClaimedRow
-from sqla_outbox.sqs.client import SQS_MAX_BATCH_ENTRIES, QueueDirectory, error_code, is_missing_queue
+from sqla_outbox.sqs.client import (
+    SQS_MAX_BATCH_ENTRIES,
+    QueueDirectory,
+    error_code,
+    error_message,
+    is_missing_queue,
+)
 
 logger = logging.getLogger(__name__)
+
+
+MESSAGE_REFUSALS = frozenset(
+    {
+        "InvalidMessageContents",
+        "BatchRequestTooLong",
+        "InvalidParameterValue",
+        "InvalidParameterCombination",
+        "InvalidAttributeName",
+        "InvalidAttributeValue",
+        "MessageTooLong",
+        "UnsupportedOperation",
+    }
+)
+"""Error codes that, on a call carrying one message, mean SQS refuses that message (SQS
+API Reference, SendMessageBatch "Errors" and SendMessage "Errors")."""
+
+REFUSED = "refused"
+ENTRY = "entry"
+CALL = "call"
+
+
+@dataclasses.dataclass(frozen=True)
+class SendFailure:
+    """Why a row was not sent.
+
+    Attributes:
+        code: SQS error code (``InvalidMessageContents``, ...), or the transport
+            exception's name (``EndpointConnectionError``).
+        message: SQS's error message (or the exception's first line).
+        kind: ``refused`` (SQS will never take this message: park it), ``entry`` (this
+            message was not taken; retry) or ``call`` (the call failed for everyone; retry).
+    """
+
+    code: str
+    message: str
+    kind: str
+
+    @property
+    def text(self) -> str:
+        """``<code>: <message>``, as stored in the outbox row's ``last_error``."""
+        return f"{self.code}: {self.message}" if self.message else self.code
 
 
 @dataclasses.dataclass
@@ -39,11 +96,11 @@ class SendResult:
 
     Attributes:
         sent: Rows SQS accepted.
-        failed: ``(row, error_code)`` for rows SQS did not accept.
+        failed: ``(row, failure)`` for rows SQS did not accept.
     """
 
     sent: list[ClaimedRow] = dataclasses.field(default_factory=list)
-    failed: list[tuple[ClaimedRow, str]] = dataclasses.field(default_factory=list)
+    failed: list[tuple[ClaimedRow, SendFailure]] = dataclasses.field(default_factory=list)
 
     def merge(self, other: SendResult) -> None:
         self.sent.extend(other.sent)
@@ -148,33 +205,54 @@ class SqsSender:
             )
         except Exception as exc:
             code = error_code(exc)
+            if code in MESSAGE_REFUSALS and len(batch) > 1:
+                # one message spoils the call for all: send each alone, so only it fails
+                for entry in batch:
+                    result.merge(self._send_batch(queue, [entry]))
+                return result
             if is_missing_queue(exc):
                 self.directory.forget(queue)
+            kind = REFUSED if code in MESSAGE_REFUSALS else CALL
+            failure = SendFailure(code, error_message(exc), kind)
+            fields: dict[str, Any] = {"queue": queue, "error_code": code, "rows": len(batch)}
+            if kind == REFUSED:
+                fields["run_id"] = str(batch[0].row.run_id)
             logger.warning(
-                "send failed",
-                extra=log_extra(action="relay.send_failed", queue=queue, error_code=code, rows=len(batch)),
+                "entry refused" if kind == REFUSED else "send failed",
+                extra=log_extra(
+                    action="relay.entry_failed" if kind == REFUSED else "relay.send_failed", **fields
+                ),
             )
-            result.failed.extend((e.row, code) for e in batch)
+            result.failed.extend((e.row, failure) for e in batch)
             metrics.RELAY_FAILED.labels(queue, code).inc(len(batch))
             return result
         accepted = {s["Id"] for s in response.get("Successful", [])}
-        refused = {f["Id"]: f.get("Code", "Failed") for f in response.get("Failed", [])}
+        refused = {f["Id"]: f for f in response.get("Failed", [])}
         for i, entry in enumerate(batch):
             if str(i) in accepted:  # only what SQS says it accepted counts as sent
                 result.sent.append(entry.row)
+                continue
+            answer = refused.get(str(i))
+            if answer is None:
+                failure = SendFailure("NotAcknowledged", "neither accepted nor refused by SQS", ENTRY)
             else:
-                code = refused.get(str(i), "NotAcknowledged")
-                result.failed.append((entry.row, code))
-                logger.warning(
-                    "entry refused",
-                    extra=log_extra(
-                        action="relay.entry_failed",
-                        queue=queue,
-                        run_id=str(entry.row.run_id),
-                        error_code=code,
-                    ),
+                failure = SendFailure(
+                    str(answer.get("Code", "Failed")),
+                    str(answer.get("Message", "")),
+                    REFUSED if answer.get("SenderFault") else ENTRY,
                 )
-                metrics.RELAY_FAILED.labels(queue, code).inc()
+            result.failed.append((entry.row, failure))
+            logger.warning(
+                "entry refused",
+                extra=log_extra(
+                    action="relay.entry_failed",
+                    queue=queue,
+                    run_id=str(entry.row.run_id),
+                    error_code=failure.code,
+                    sender_fault=failure.kind == REFUSED,
+                ),
+            )
+            metrics.RELAY_FAILED.labels(queue, failure.code).inc()
         metrics.RELAY_SENT.labels(queue).inc(len(accepted))
         return result
 

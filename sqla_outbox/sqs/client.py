@@ -70,6 +70,17 @@ def error_code(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def error_message(exc: BaseException) -> str:
+    """SQS's error message for ``exc`` (``Error.Message`` of a ClientError), else the
+    exception's first line; at most 1,000 characters."""
+    if isinstance(exc, botocore.exceptions.ClientError):
+        message = str(exc.response.get("Error", {}).get("Message", ""))
+    else:
+        lines = str(exc).strip().splitlines()
+        message = lines[0] if lines else ""
+    return message[:1000]
+
+
 def is_unreachable(exc: BaseException) -> bool:
     """True when ``exc`` says SQS could not be reached or called at all: no connection to
     the endpoint, or no credentials in boto3's chain (the CLI reports these as exit 3)."""

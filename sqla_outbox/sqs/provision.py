@@ -5,9 +5,12 @@ For each logical queue ``q`` (critical, default, bulk, maintenance):
 * ``<prefix>q-dlq`` — the dead-letter queue; messages kept 14 days (the SQS maximum),
   because a message keeps its original enqueue time when SQS moves it there (SQS
   Developer Guide, "Using dead-letter queues").
-* ``<prefix>q`` — the source queue; visibility timeout per SPEC (critical 60 s, default
-  120 s, bulk 15 min, maintenance 5 min), messages kept 4 days, long polling 20 s, redrive
-  policy ``maxReceiveCount`` 7 (5 receives for the runtime plus 2 of margin) into its DLQ.
+* ``<prefix>q`` — the source queue; visibility timeout from the settings
+  (``visibility_timeout_<q>_seconds``; SPEC defaults critical 60 s, default 120 s, bulk
+  15 min, maintenance 5 min), messages kept ``sqs_message_retention_seconds`` (default
+  14 days, the SQS maximum: a message SQS drops unreceived is lost silently), long polling
+  20 s, redrive policy ``maxReceiveCount`` 7 (5 receives for the runtime plus 2 of margin)
+  into its DLQ.
 * ``MaximumMessageSize`` follows ``max_message_bytes``; optional SSE-SQS or SSE-KMS.
 
 A second run changes nothing. When an existing queue's attributes differ from these,
@@ -23,9 +26,8 @@ from typing import Any
 
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.sqs.client import is_missing_queue
-from sqla_outbox.types import QUEUE_NAMES, VISIBILITY_TIMEOUT_SECONDS
+from sqla_outbox.types import QUEUE_NAMES
 
-SOURCE_RETENTION_SECONDS = 4 * 24 * 3600
 DLQ_RETENTION_SECONDS = 14 * 24 * 3600
 LONG_POLL_SECONDS = 20
 
@@ -58,12 +60,11 @@ def desired_attributes(
         "MaximumMessageSize": str(settings.max_message_bytes),
         "ReceiveMessageWaitTimeSeconds": str(LONG_POLL_SECONDS),
     }
+    attributes["VisibilityTimeout"] = str(settings.visibility_timeout_seconds(queue))
     if dead_letter:
         attributes["MessageRetentionPeriod"] = str(DLQ_RETENTION_SECONDS)
-        attributes["VisibilityTimeout"] = str(VISIBILITY_TIMEOUT_SECONDS[queue])
     else:
-        attributes["MessageRetentionPeriod"] = str(SOURCE_RETENTION_SECONDS)
-        attributes["VisibilityTimeout"] = str(VISIBILITY_TIMEOUT_SECONDS[queue])
+        attributes["MessageRetentionPeriod"] = str(settings.sqs_message_retention_seconds)
         assert dlq_arn is not None
         attributes["RedrivePolicy"] = json.dumps(
             {"deadLetterTargetArn": dlq_arn, "maxReceiveCount": settings.max_receive_count},

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import enum
+import inspect
 import json
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -135,10 +136,13 @@ def _reading(source: Any) -> Iterator[Connection]:
     elif isinstance(source, sessionmaker):
         with source() as session:
             yield session.connection()
-    elif any(hasattr(source, name) for name in ("sync_session", "sync_connection", "sync_engine")):
+    elif any(hasattr(source, name) for name in ("sync_session", "sync_connection", "sync_engine")) or (
+        inspect.iscoroutinefunction(getattr(source, "flush", None))  # async_scoped_session
+    ):
         raise errors.ConfigurationError(
             f"{type(source).__name__} is asyncio; call the helper through run_sync, e.g. "
-            "await session.run_sync(testing.dispatched, task='...')",
+            "await session.run_sync(testing.dispatched, task='...') (an async_scoped_session: "
+            "await session().run_sync(...))",
             option="source",
         )
     else:

@@ -38,7 +38,13 @@ from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import error_fields, log_extra, safe_traceback
 from sqla_outbox.relay import make_engine
-from sqla_outbox.sqs.client import QueueDirectory, error_code, is_missing_queue, make_client
+from sqla_outbox.sqs.client import (
+    SQS_MAX_VISIBILITY_SECONDS,
+    QueueDirectory,
+    error_code,
+    is_missing_queue,
+    make_client,
+)
 from sqla_outbox.types import QUEUE_NAMES
 from sqla_outbox.worker import deferral
 from sqla_outbox.worker import handle as handling
@@ -74,6 +80,22 @@ def import_task_modules(modules: tuple[str, ...] | list[str]) -> None:
                 f"cannot import task module {name!r}: {exc}",
                 option="--imports / SQLA_OUTBOX_WORKER_IMPORTS",
             ) from exc
+
+
+def visibility_ends_by(
+    first_receive_ms: Any, *, now: float | None = None, wall: float | None = None
+) -> float:
+    """``time.monotonic()`` at which SQS stops allowing the message to be hidden: 43,200 s
+    after its first receive (SQS ``ApproximateFirstReceiveTimestamp``, epoch milliseconds,
+    untrusted: anything that is not a plausible past time counts as "just now")."""
+    now = time.monotonic() if now is None else now
+    wall = time.time() if wall is None else wall
+    try:
+        first = int(str(first_receive_ms)) / 1000
+    except ValueError:
+        first = wall
+    first = min(max(first, wall - SQS_MAX_VISIBILITY_SECONDS), wall)
+    return now + (first + SQS_MAX_VISIBILITY_SECONDS - wall)
 
 
 class Worker:
@@ -394,7 +416,11 @@ class Worker:
                 QueueUrl=self.directory.url(queue),
                 MaxNumberOfMessages=min(count, RECEIVE_MAX_MESSAGES),
                 WaitTimeSeconds=self.settings.worker_wait_seconds,
-                AttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
+                AttributeNames=[
+                    "ApproximateReceiveCount",
+                    "SentTimestamp",
+                    "ApproximateFirstReceiveTimestamp",
+                ],
                 MessageAttributeNames=["All"],
             )
         finally:
@@ -426,6 +452,7 @@ class Worker:
             receive_count=receive_count,
             body=str(message.get("Body", "")),
             attributes=dict(message.get("MessageAttributes", {})),
+            visibility_ends_by=visibility_ends_by(attributes.get("ApproximateFirstReceiveTimestamp")),
         )
         key = id(flight)
         self.in_flight[key] = flight

@@ -10,6 +10,9 @@ from typing import Any
 
 from sqla_outbox.worker.context import TaskContext
 
+VISIBILITY_MARGIN_SECONDS = 60.0
+"""Kept between the visibility the worker asks for and SQS's 12-hour ceiling (clock skew)."""
+
 
 @dataclasses.dataclass
 class InFlight:
@@ -23,6 +26,9 @@ class InFlight:
         body / attributes: The raw, untrusted message body and message attributes.
         received_at / extended_at: ``time.monotonic()`` of the receive and of the last
             visibility extension (the heartbeat's clock).
+        visibility_ends_by: ``time.monotonic()`` after which SQS refuses to keep the
+            message hidden: 12 hours after its *first* receive (SQS
+            ``ApproximateFirstReceiveTimestamp``; this receive when SQS did not say).
         run_id / task_name: Set once the envelope was decoded.
         attempt / leased: The attempt number and whether this delivery holds the run's lease.
         ctx: The handler's context while it runs (its ``cancel_event`` stops it).
@@ -38,6 +44,7 @@ class InFlight:
     attributes: dict[str, Any]
     received_at: float = dataclasses.field(default_factory=time.monotonic)
     extended_at: float = dataclasses.field(default_factory=time.monotonic)
+    visibility_ends_by: float = dataclasses.field(default_factory=lambda: time.monotonic() + 43_200)
     run_id: uuid.UUID | None = None
     task_name: str | None = None
     attempt: int = 0
@@ -45,3 +52,19 @@ class InFlight:
     task: asyncio.Task[None] | None = None
     leased: bool = False
     verdict: str | None = None
+
+    def hideable_seconds(self, wanted: float, *, now: float | None = None) -> float:
+        """``wanted`` seconds of visibility, cut to what SQS still allows for this message.
+
+        SQS refuses a ChangeMessageVisibility that would keep a message hidden past 12
+        hours (43,200 s) after it was first received (SQS ChangeMessageVisibility); the
+        worker asks for at most that, less a minute for clock skew between this host and
+        SQS. A timeout of 0 (visible at once) is always allowed.
+
+        Returns:
+            Seconds, within ``[0, wanted]``.
+        """
+        left = (
+            self.visibility_ends_by - (time.monotonic() if now is None else now) - VISIBILITY_MARGIN_SECONDS
+        )
+        return max(0.0, min(wanted, left))

@@ -220,7 +220,7 @@ async def _settle_unclaimed(runtime: Runtime, flight: InFlight, claim: runs.Clai
         return
     if status is runs.ClaimStatus.LEASED:
         runtime.counters.duplicates_held += 1
-        hide = min(claim.lease_remaining_seconds + 2, 43_000)
+        hide = flight.hideable_seconds(claim.lease_remaining_seconds + 2)
         _log(
             logging.INFO,
             "run leased by another worker; copy hidden",
@@ -314,13 +314,14 @@ async def _transient(
         return
     base = definition.retry.backoff_base_seconds
     cap = definition.retry.backoff_max_seconds
-    seconds = delay
-    if seconds is None:
+    if delay is not None:
+        seconds = flight.hideable_seconds(delay)
+    else:
         seconds = backoff_seconds(
             flight.receive_count,
             base=runtime.settings.worker_backoff_base_seconds if base is None else base,
             cap=runtime.settings.worker_backoff_max_seconds if cap is None else cap,
-            elapsed_since_receive=time.monotonic() - flight.received_at,
+            allowed_seconds=flight.hideable_seconds(SQS_MAX_VISIBILITY_SECONDS),
         )
     failure = runs.Failure.from_exception(exc, trace)
     moved = await runtime.io(
@@ -478,8 +479,8 @@ async def _early_copy(runtime: Runtime, flight: InFlight, due_in_seconds: float)
         )
         runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
         return
-    limit = SQS_MAX_VISIBILITY_SECONDS - (time.monotonic() - flight.received_at) - 60
-    hide = max(1, min(math.ceil(due_in_seconds), int(limit)))
+    # within SQS's 12-hour ceiling counted from this message's first receive
+    hide = int(flight.hideable_seconds(max(1, math.ceil(due_in_seconds))))
     _log(logging.INFO, "run not due yet; message hidden until then", "worker.not_due", flight, hide_s=hide)
     await runtime.io(runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
 
@@ -516,7 +517,7 @@ async def give_back(runtime: Runtime, flight: InFlight, *, reason: str, hide_sec
         metrics.RUNS_FINISHED.labels(attempt_task(flight), "queued").inc()
     if flight.verdict is None:
         runtime.counters.returned += 1
-        hide = math.ceil(hide_seconds) + 1 if hide_seconds > 0 else 0
+        hide = flight.hideable_seconds(math.ceil(hide_seconds) + 1) if hide_seconds > 0 else 0
         _log(
             logging.INFO,
             "message returned to the queue",

@@ -2,10 +2,12 @@
 
 Every second the heartbeat looks at the messages in flight; each one whose visibility
 was last extended a third of its queue's visibility timeout ago gets, in one batch per
-queue, ChangeMessageVisibilityBatch back to the full visibility timeout, and its run's
-lease renewed by as much (one UPDATE for all of them). A run whose lease could not be
-renewed (another worker took it over after a long stall) has its attempt cancelled; its
-result would be discarded anyway.
+queue, ChangeMessageVisibilityBatch back to the full visibility timeout (cut to what SQS
+still allows: a message stays hidden at most 12 hours after its first receive,
+:meth:`~sqla_outbox.worker.flight.InFlight.hideable_seconds`; past that nothing is asked),
+and its run's lease renewed by as much (one UPDATE for all of them). A run whose lease
+could not be renewed (another worker took it over after a long stall) has its attempt
+cancelled; its result would be discarded anyway.
 """
 
 from __future__ import annotations
@@ -62,8 +64,14 @@ async def beat(runtime: Runtime, in_flight: list[InFlight]) -> None:
     for flight in flights:
         by_queue.setdefault(flight.queue, []).append(flight)
     for queue, group in by_queue.items():
-        for start in range(0, len(group), SQS_MAX_BATCH_ENTRIES):
-            chunk = group[start : start + SQS_MAX_BATCH_ENTRIES]
+        extendable = []
+        for flight in group:
+            if flight.hideable_seconds(runtime.visibility[queue], now=now) >= 1:
+                extendable.append(flight)
+            else:  # SQS's 12-hour ceiling: nothing left to ask for
+                flight.extended_at = now
+        for start in range(0, len(extendable), SQS_MAX_BATCH_ENTRIES):
+            chunk = extendable[start : start + SQS_MAX_BATCH_ENTRIES]
             failed = await runtime.io(_extend_visibility, runtime, queue, chunk)
             for flight in chunk:
                 if flight.message_id not in failed:
@@ -98,7 +106,7 @@ def _extend_visibility(runtime: Runtime, queue: str, flights: list[InFlight]) ->
                 {
                     "Id": str(i),
                     "ReceiptHandle": f.receipt_handle,
-                    "VisibilityTimeout": runtime.visibility[queue],
+                    "VisibilityTimeout": int(f.hideable_seconds(runtime.visibility[queue])),
                 }
                 for i, f in enumerate(flights)
             ],

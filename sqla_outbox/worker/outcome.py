@@ -9,9 +9,10 @@
   attributes, then DeleteMessage from the source.
 * **return** — ChangeMessageVisibility 0: visible again at once (shutdown).
 
-Backoff (:func:`backoff_seconds`): ``base * 2 ** (receive_count - 1)``, capped, with
-"equal jitter" (uniformly between half and all of it), and never past SQS's 12-hour
-visibility limit counted from the receive.
+Backoff (:func:`backoff_seconds`): ``base * 2 ** (receive_count - 1)``, capped (exponent
+capped first: :mod:`sqla_outbox.backoff`), drawn uniformly between half and all of it
+("equal jitter"), and never past what SQS still allows: a message stays hidden at most 12
+hours after its first receive (:meth:`~sqla_outbox.worker.flight.InFlight.hideable_seconds`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from sqla_outbox import envelope
+from sqla_outbox import backoff, charsets, envelope
 from sqla_outbox.sqs.client import SQS_MAX_VISIBILITY_SECONDS, QueueDirectory
 
 SQS_MAX_MESSAGE_ATTRIBUTES = 10
@@ -41,26 +42,28 @@ def backoff_seconds(
     *,
     base: float,
     cap: float,
-    elapsed_since_receive: float = 0.0,
+    allowed_seconds: float = SQS_MAX_VISIBILITY_SECONDS,
     rng: random.Random | None = None,
 ) -> float:
     """Visibility delay before the next delivery after a transient failure.
 
     Args:
-        receive_count: ApproximateReceiveCount of the failed delivery (1 for the first).
-        base: Delay for the first failure, seconds.
-        cap: Largest delay, seconds.
-        elapsed_since_receive: Seconds since this delivery was received; SQS refuses a
-            visibility that ends more than 12 hours after the receive.
+        receive_count: ApproximateReceiveCount of the failed delivery (1 for the first);
+            any integer (the exponent is capped before the power is computed).
+        base: Nominal delay after the first failure, seconds.
+        cap: Largest nominal delay, seconds.
+        allowed_seconds: The most visibility SQS still allows the message
+            (:meth:`~sqla_outbox.worker.flight.InFlight.hideable_seconds`).
         rng: Random source (tests pass a seeded one).
 
     Returns:
-        Seconds, within ``[0, min(cap, 43200 - elapsed - 60)]``.
+        Seconds within ``[n / 2, n]`` for the nominal ``n = min(cap, base * 2 **
+        (receive_count - 1), allowed_seconds)``: the base is the nominal first delay, not
+        a minimum.
     """
-    exponential = base * (2 ** max(0, receive_count - 1))
-    ceiling = min(cap, exponential, SQS_MAX_VISIBILITY_SECONDS - elapsed_since_receive - 60)
-    ceiling = max(0.0, ceiling)
-    return (rng or random).uniform(ceiling / 2, ceiling)
+    nominal = backoff.exponential_seconds(receive_count - 1, base=base, cap=cap)
+    ceiling = max(0.0, min(nominal, allowed_seconds))
+    return backoff.equal_jitter(ceiling, rng)
 
 
 class Outcomes:
@@ -108,9 +111,10 @@ class Outcomes:
         the relay's signature) are kept; the context of :data:`CONTEXT_ATTRIBUTES`
         (reason, failed_at, receive_count, source_queue, error_type, error_message) is
         added, the error message truncated so the message stays within the size limit:
-        at most 10 attributes (SQS quota), origin first. A body too large for the DLQ is
-        replaced by a short JSON summary (which then carries no signature: it is not an
-        envelope).
+        at most 10 attributes (SQS quota), origin first. Every String value goes through
+        :func:`sqla_outbox.charsets.for_sqs` (SQS refuses characters outside the XML set
+        and empty values). A body too large for the DLQ is replaced by a short JSON summary
+        (which then carries no signature: it is not an envelope).
 
         Returns:
             The DLQ's URL.
@@ -122,14 +126,16 @@ class Outcomes:
         dlq_url = self.directory.dlq_url(queue)
         message_attributes: dict[str, dict[str, str]] = {}
         for name in ORIGIN_ATTRIBUTES:
-            if name in attributes and "StringValue" in attributes[name]:
-                message_attributes[name] = {
-                    "DataType": attributes[name].get("DataType", "String"),
-                    "StringValue": attributes[name]["StringValue"][:256],
-                }
+            value = attributes.get(name, {}).get("StringValue")
+            kind = attributes.get(name, {}).get("DataType", "String")
+            if isinstance(value, str) and value and kind in ("String", "Number"):
+                message_attributes[name] = {"DataType": kind, "StringValue": charsets.for_sqs(value[:256])}
         for key in CONTEXT_ATTRIBUTES:
-            if context.get(key):
-                message_attributes[key] = {"DataType": "String", "StringValue": str(context[key])}
+            # exception messages and type names come from handlers: SQS takes only the XML
+            # character set in String attribute values (and no empty value)
+            value = charsets.for_sqs(str(context.get(key) or ""))
+            if value:
+                message_attributes[key] = {"DataType": "String", "StringValue": value}
         size = envelope.message_size_bytes(body, message_attributes)
         if size > self.max_message_bytes and "error_message" in message_attributes:
             text = message_attributes["error_message"]["StringValue"]

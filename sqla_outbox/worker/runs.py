@@ -26,6 +26,8 @@ from sqlalchemy import Float, Integer, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
 
+from sqla_outbox import charsets
+
 TRACEBACK_CHARS = 4000
 MESSAGE_CHARS = 2000
 
@@ -238,11 +240,25 @@ class Failure:
 
     @classmethod
     def from_exception(cls, exc: BaseException, traceback: str | None = None) -> Failure:
+        """The failure as PostgreSQL can store it: type name, message and traceback
+        excerpt pass :func:`sqla_outbox.charsets.for_postgres` (a handler's ``"upstream
+        said \x00"`` is stored as ``upstream said \\x00``), then are cut to
+        :data:`MESSAGE_CHARS` / the last :data:`TRACEBACK_CHARS` characters."""
         return cls(
-            error_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
-            message=str(exc)[:MESSAGE_CHARS],
-            traceback=traceback[-TRACEBACK_CHARS:] if traceback else None,
+            error_type=charsets.for_postgres(
+                f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+            )[:MESSAGE_CHARS],
+            message=charsets.for_postgres(_message_of(exc))[:MESSAGE_CHARS],
+            traceback=charsets.for_postgres(traceback)[-TRACEBACK_CHARS:] if traceback else None,
         )
+
+
+def _message_of(exc: BaseException) -> str:
+    """``str(exc)``, or a note when the exception's own ``__str__`` fails."""
+    try:
+        return str(exc)
+    except Exception as failure:  # a handler's exception class with a broken __str__
+        return f"<{type(exc).__name__}.__str__ failed: {type(failure).__name__}>"
 
 
 def _params(attempt: Attempt, failure: Failure | None, detail: dict[str, Any] | None) -> dict[str, Any]:
@@ -254,7 +270,7 @@ def _params(attempt: Attempt, failure: Failure | None, detail: dict[str, Any] | 
         "error_type": failure.error_type if failure else None,
         "error_message": failure.message if failure else None,
         "traceback": failure.traceback if failure else None,
-        "detail": json.dumps(detail) if detail else None,
+        "detail": json.dumps(charsets.jsonb_safe(detail)) if detail else None,
     }
 
 

@@ -73,6 +73,7 @@ def one_transaction(maker: Any, rng: random.Random, n: int) -> dict[str, Any]:
                         "tx": n,
                         "doomed": rng.random() < 0.05,
                         "flaky": rng.random() < 0.15,
+                        "text": rng.random() < 0.5,
                         "work_ms": rng.choice([0, 0, 20, 150]),
                     }
                     delay = rng.choice([0, 0, 0, 0.5, 2.0])
@@ -83,7 +84,7 @@ def one_transaction(maker: Any, rng: random.Random, n: int) -> dict[str, Any]:
                 if rng.random() < 0.3:
                     event = Publish(
                         "chaos.happened",
-                        {"tx": n, "flaky": rng.random() < 0.2, "work_ms": 20},
+                        {"tx": n, "flaky": rng.random() < 0.2, "text": rng.random() < 0.5, "work_ms": 20},
                         tenant_id=rng.choice([None, 2]),
                     )
                     session.add(event)

@@ -6,7 +6,11 @@ two relays, three workers and an application process committing a steady stream 
 transactions (``tests/chaos/app_driver.py``). While the stream runs, a controller
 repeatedly ``kill -9``s and restarts relays and workers at random moments, stops and
 restarts Valkey, makes the SQS endpoint unavailable for a while, and restarts PostgreSQL
-once. Then, with everything healthy, it waits for the work to settle and checks:
+once; it also denies sends to one queue for a while (an IAM or KMS denial) after pushing
+that queue's pending rows past 1,100 failed attempts (a send-failure streak of days), and
+purges sent outbox rows of finished runs every few seconds (``purge_sent_after_days`` 0).
+Some handlers fail with error texts PostgreSQL and SQS refuse (NUL, control characters, a
+lone surrogate). Then, with everything healthy, it waits for the work to settle and checks:
 
 * every committed run reached its expected final status (``succeeded``, or ``failed`` with
   its message in the DLQ where the handler was meant to fail);
@@ -14,7 +18,9 @@ once. Then, with everything healthy, it waits for the work to settle and checks:
   transaction whose COMMIT was cut off has all of its runs or none;
 * no run is left ``queued``, ``running`` or ``retrying``;
 * handler effects (rows written through the handler session) happened exactly once per
-  succeeded run and never for a failed one.
+  succeeded run and never for a failed one;
+* no purge ever left an unfinished run without its outbox row, and no row was parked (an
+  outage or a denial is retried, never parked).
 
 Short version in CI: ``pytest -m chaos`` (tests/e2e/test_chaos.py). Long version:
 ``scripts/chaos --duration 600``.
@@ -33,6 +39,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -171,11 +178,15 @@ class ChaosReport:
     effect_errors: list[str]
     dlq_missing: list[str]
     uncertain_split: list[str]
+    purge_violations: list[str] = dataclasses.field(default_factory=list)
+    parked: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not (
-            self.lost
+            self.purge_violations
+            or self.parked
+            or self.lost
             or self.wrong_status
             or self.phantom_runs
             or self.stuck
@@ -248,16 +259,37 @@ def run(
             stderr=subprocess.PIPE,
         )
         say(f"chaos: {duration:.0f} s of faults at {rate:g} transactions/s")
-        pg_restart_at = started + duration * rng.uniform(0.3, 0.6)
+        # faults follow a clock of their own (the pauses they sleep), so the seed decides how
+        # many there are, however slowly the machine kills and restarts processes
+        clock = {"elapsed": 0.0}
+
+        def pause(seconds: float) -> None:
+            time.sleep(seconds)
+            clock["elapsed"] += seconds
+
+        pg_restart_at = duration * rng.uniform(0.3, 0.6)
         pg_restarted = False
-        deadline = started + duration
-        while time.monotonic() < deadline:
-            time.sleep(rng.uniform(0.5, 2.0))
-            now = time.monotonic()
-            if not pg_restarted and now >= pg_restart_at:
+        aside = random.Random(seed + 1)  # the new faults keep the main sequence of the seed as it was
+        streak_at = duration * aside.uniform(0.1, 0.25)
+        streak: threading.Thread | None = None
+        purger = _Purger(database_url, faults)
+        purger.start()
+        while clock["elapsed"] < duration:
+            pause(rng.uniform(0.5, 2.0))
+            if streak is None and clock["elapsed"] >= streak_at:  # runs beside the other faults
+                say("  fault: sends to the bulk queue denied, after a streak of 1,100 failed attempts")
+                streak = threading.Thread(
+                    target=_send_failure_streak,
+                    args=(moto.endpoint, database_url, tag),
+                    kwargs={"seconds": aside.uniform(5.0, 8.0)},
+                    daemon=True,
+                )
+                streak.start()
+                faults["send_streaks"] += 1
+            if not pg_restarted and clock["elapsed"] >= pg_restart_at:
                 say("  fault: PostgreSQL restart")
                 pg.stop("immediate")
-                time.sleep(rng.uniform(1.0, 3.0))
+                pause(rng.uniform(1.0, 3.0))
                 pg.start()
                 faults["postgres_restarts"] += 1
                 pg_restarted = True
@@ -267,24 +299,24 @@ def run(
                 name = rng.choice(["relay-a", "relay-b"])
                 processes[name].kill()
                 retired.append(processes[name])
-                time.sleep(rng.uniform(0, 1.5))
+                pause(rng.uniform(0, 1.5))
                 spawn(name)
                 faults["relay_kills"] += 1
             elif fault == "kill_worker":
                 name = rng.choice(["worker-1", "worker-2", "worker-3"])
                 processes[name].kill()
                 retired.append(processes[name])
-                time.sleep(rng.uniform(0, 1.5))
+                pause(rng.uniform(0, 1.5))
                 spawn(name)
                 faults["worker_kills"] += 1
             elif fault == "valkey":
                 valkey.stop()
-                time.sleep(rng.uniform(1.0, 4.0))
+                pause(rng.uniform(1.0, 4.0))
                 valkey.start()
                 faults["valkey_outages"] += 1
             elif fault == "sqs":
                 proxy.disable()
-                time.sleep(rng.uniform(1.0, 4.0))
+                pause(rng.uniform(1.0, 4.0))
                 proxy.enable()
                 faults["sqs_outages"] += 1
         if not pg_restarted:
@@ -293,6 +325,9 @@ def run(
             faults["postgres_restarts"] += 1
         driver.send_signal(signal.SIGTERM)
         driver.wait(60)
+        purger.stop()
+        if streak is not None:
+            streak.join(30)
         say("chaos: faults over; waiting for the work to settle")
         records = [json.loads(line) for line in (work / "outcomes.jsonl").read_text().splitlines()]
         engine = sa.create_engine(support_sqlalchemy(database_url), pool_pre_ping=True)
@@ -308,6 +343,7 @@ def run(
             list(processes.values()) + retired,
             time.monotonic() - started,
         )
+        report.purge_violations = purger.violations
         engine.dispose()
         return report
     finally:
@@ -324,6 +360,73 @@ def run(
 
 def support_sqlalchemy(url: str) -> str:
     return url.replace("postgresql://", "postgresql+psycopg://")
+
+
+def _send_failure_streak(endpoint: str, database_url: str, tag: str, *, seconds: float) -> None:
+    """Deny SendMessageBatch on the bulk queue (as an IAM or KMS denial does) for ``seconds``,
+    after pushing its pending rows' ``attempts`` past 1,100: days of failures at the default
+    backoff cap, whose backoff arithmetic once overflowed."""
+    support.deny_calls(endpoint, f"{tag}bulk")
+    try:
+        with psycopg.connect(database_url.replace("+psycopg", ""), autocommit=True) as conn:
+            for table in ("outbox_messages", "platform_outbox_messages"):
+                conn.execute(
+                    f"UPDATE {table} SET attempts = attempts + 1100 WHERE queue = 'bulk' AND sent_at IS NULL"
+                )
+    except psycopg.Error:
+        pass  # PostgreSQL may be restarting: the denial alone still makes a streak
+    time.sleep(seconds)
+    support.deny_calls(endpoint, f"{tag}bulk", clear=True)
+
+
+_ORPHANS = sa.text(
+    """
+SELECT run_id::text FROM task_runs AS r
+WHERE status IN ('queued', 'running', 'retrying')
+  AND NOT EXISTS (SELECT 1 FROM outbox_messages AS o WHERE o.run_id = r.run_id)
+  AND NOT EXISTS (SELECT 1 FROM platform_outbox_messages AS p WHERE p.run_id = r.run_id)
+"""
+)
+
+
+class _Purger:
+    """Purges sent rows of finished runs every few seconds while the faults run, and checks
+    after each purge that every unfinished run still has its outbox row."""
+
+    def __init__(self, database_url: str, faults: collections.Counter[str]) -> None:
+        from sqla_outbox.config import OutboxSettings
+
+        self.settings = OutboxSettings(database_url=database_url, valkey_url=None, purge_sent_after_days=0.0)
+        self.faults = faults
+        self.violations: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-purger", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        from sqla_outbox import maintenance
+
+        engine = sa.create_engine(self.settings.sqlalchemy_url, pool_pre_ping=True)
+        try:
+            while not self._stop.wait(3.0):
+                try:
+                    maintenance.purge(engine, self.settings)
+                    with engine.connect() as conn:
+                        orphans = conn.execute(_ORPHANS).scalars()
+                        self.violations += [
+                            f"run {run_id} unfinished without its outbox row" for run_id in orphans
+                        ]
+                    self.faults["purges"] += 1
+                except sa.exc.DBAPIError:
+                    continue  # PostgreSQL restarting
+        finally:
+            engine.dispose()
 
 
 @dataclasses.dataclass
@@ -418,6 +521,16 @@ def _verify(
             str(r.run_id): r
             for r in conn.execute(sa.text("SELECT run_id, status, dead_lettered_at FROM task_runs"))
         }
+        parked = [
+            f"{run_id}: {error}"
+            for run_id, error in conn.execute(
+                sa.text(
+                    "SELECT run_id::text, last_error FROM outbox_messages WHERE parked_at IS NOT NULL "
+                    "UNION ALL SELECT run_id::text, last_error FROM platform_outbox_messages "
+                    "WHERE parked_at IS NOT NULL"
+                )
+            )
+        ]
         effect_counts = dict(
             conn.execute(sa.text("SELECT run_id::text, count(*) FROM effects GROUP BY run_id")).all()
         )
@@ -475,6 +588,7 @@ def _verify(
         effect_errors=effect_errors,
         dlq_missing=dlq_missing,
         uncertain_split=split,
+        parked=parked,
     )
 
 
@@ -506,6 +620,8 @@ def print_report(report: ChaosReport) -> None:
         "effect_errors",
         "dlq_missing",
         "uncertain_split",
+        "purge_violations",
+        "parked",
     ):
         values = getattr(report, name)
         print(f"  {name + ':':<18} {len(values)}" + (f"  e.g. {values[:3]}" if values else ""))

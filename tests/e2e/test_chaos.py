@@ -21,6 +21,10 @@ def test_short_chaos_run_loses_nothing_and_repeats_nothing(redis_url: str) -> No
     assert report.runs_committed > 100
     assert report.faults.get("postgres_restarts") == 1
     assert report.faults.get("relay_kills", 0) + report.faults.get("worker_kills", 0) >= 5
+    assert report.faults.get("send_streaks") == 1  # sends denied after 1,100 failed attempts
+    assert report.faults.get("purges", 0) >= 3  # sent rows of finished runs purged meanwhile
+    assert report.purge_violations == []
+    assert report.parked == []  # a denial or an outage is retried, never parked
     assert report.lost == []
     assert report.wrong_status == []
     assert report.phantom_runs == []

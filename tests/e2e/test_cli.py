@@ -87,6 +87,27 @@ def test_provision_is_idempotent_and_reports_drift(settings: OutboxSettings, sqs
     assert {r["action"] for r in json.loads(fixed.stdout)} == {"unchanged", "updated"}
     human = cli("provision", "--max-receive-count", "4", env=env)
     assert "unchanged" in human.stdout and "SQS queues" in human.stdout
+    # visibility timeouts and retention are settings that provision applies (issue 11, item 10)
+    sqs = support.sqs_client(sqs_endpoint)
+    bulk = sqs.get_queue_url(QueueName=f"{settings.queue_prefix}bulk")["QueueUrl"]
+    attributes = sqs.get_queue_attributes(QueueUrl=bulk, AttributeNames=["All"])["Attributes"]
+    assert (attributes["VisibilityTimeout"], attributes["MessageRetentionPeriod"]) == ("900", "1209600")
+    longer = {
+        **env,
+        "SQLA_OUTBOX_MAX_RECEIVE_COUNT": "4",
+        "SQLA_OUTBOX_VISIBILITY_TIMEOUT_BULK_SECONDS": "1800",
+    }
+    drift = cli("provision", "--json", env=longer)
+    assert drift.returncode == 1
+    assert {r["name"] for r in json.loads(drift.stdout) if r["action"] == "drift"} == {
+        f"{settings.queue_prefix}bulk",
+        f"{settings.queue_prefix}bulk-dlq",
+    }
+    assert cli("provision", "--fix", env=longer).returncode == 0
+    assert sqs.get_queue_attributes(QueueUrl=bulk, AttributeNames=["VisibilityTimeout"])["Attributes"] == {
+        "VisibilityTimeout": "1800"
+    }
+    assert cli("provision", "--json", env=longer).returncode == 0  # the setting is what --fix keeps
 
 
 def test_check_reports_each_service(
@@ -224,8 +245,11 @@ def test_commands_on_an_unmigrated_database_say_to_migrate(
     empty_database: str, settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]
 ) -> None:
     env = service_env(settings.replace(database_url=empty_database), sqs_endpoint)
-    missing = f"error: the outbox tables are missing in {redact_url(empty_database)}"
-    expected = f"{missing}: run `python -m sqla_outbox migrate`"
+    expected = (
+        f"error: the outbox tables are missing in {redact_url(empty_database)}: run `python -m sqla_outbox "
+        "migrate`, or `alembic upgrade heads` if your application's Alembic environment holds sqla_outbox's "
+        "migrations (docs/alembic.md)"
+    )
     for command in (
         ("status",),
         ("status", "--no-sqs", "--json"),
@@ -240,6 +264,19 @@ def test_commands_on_an_unmigrated_database_say_to_migrate(
         assert_one_line_error(result, 2, expected)
         assert result.stdout == ""
     assert tables(empty_database) == set()
+    # a database the application's Alembic manages: `migrate` would be the wrong advice
+    with psycopg.connect(
+        empty_database.replace("postgresql+psycopg://", "postgresql://"), autocommit=True
+    ) as conn:
+        conn.execute("CREATE TABLE alembic_version (version_num varchar(32) PRIMARY KEY)")
+    assert_one_line_error(
+        cli("status", "--no-sqs", env=env),
+        2,
+        f"error: the outbox tables are missing in {redact_url(empty_database)}: your application's Alembic "
+        "environment manages this database: add sqla_outbox's migrations to it and run "
+        "`alembic upgrade heads` "
+        "there (docs/alembic.md)",
+    )
 
 
 def test_migrate_explains_a_missing_tenant_table_then_reports_what_it_did(empty_database: str) -> None:
@@ -307,8 +344,10 @@ def test_relay_once_reports_that_another_relay_is_active(
             "sent": 0,
             "failed": 0,
             "held": 0,
+            "parked": 0,
             "full": False,
             "leader": False,
+            "stalled": False,
         }
         human = cli("relay", "--once", env=env)
         assert (human.returncode, human.stdout) == (
@@ -327,6 +366,8 @@ def test_relay_once_reports_that_another_relay_is_active(
         "sent": 1,
         "failed": 0,
         "held": 0,
+        "parked": 0,
         "full": False,
         "leader": True,
+        "stalled": False,
     }

@@ -127,9 +127,10 @@ def test_a_relay_on_an_unmigrated_database_says_to_migrate_and_keeps_trying(
     relay = start_relay(settings.replace(database_url=support.database_url(pg_url, name)), sqs_endpoint)
     try:
         entry = relay.wait_for_action("relay.db_error")
-        assert (
-            entry["message"]
-            == "the outbox tables are missing (run `python -m sqla_outbox migrate`); retrying"
+        assert entry["message"] == (
+            "the outbox tables are missing (run `python -m sqla_outbox migrate`, or `alembic upgrade heads` "
+            "if your application's Alembic environment holds sqla_outbox's migrations (docs/alembic.md)); "
+            "retrying"
         )
         assert relay.process.poll() is None
     finally:

@@ -425,13 +425,15 @@ def test_dlq_list_shows_attacker_attributes_escaped(
     settings: OutboxSettings, sqs_endpoint: str, sqs: Any, queues: dict[str, str]
 ) -> None:
     """Attributes come from whoever wrote to the DLQ: escape sequences, a bidi override and
-    C1 controls are shown as visible escapes, never sent to the terminal."""
+    C1 controls are shown as visible escapes, never sent to the terminal. (SQS refuses C0
+    controls such as ESC in attribute values, but takes the C1 ones: CSI, OSC and ST
+    introduce escape sequences on terminals that honour 8-bit controls.)"""
     sqs.send_message(
         QueueUrl=queues["default-dlq"],
         MessageBody="{}",
         MessageAttributes={
             "run_id": {"DataType": "String", "StringValue": str(uuid.uuid4())},
-            "task": {"DataType": "String", "StringValue": "\x1b]0;pwned\x07\x1b[2Jaudit"},
+            "task": {"DataType": "String", "StringValue": "\x9d0;pwned\x9c\x9b2Jaudit"},
             "reason": {"DataType": "String", "StringValue": "permanent\u202eerror"},
             "error_type": {"DataType": "String", "StringValue": "Value\u0085Error\u200b"},
         },
@@ -439,7 +441,7 @@ def test_dlq_list_shows_attacker_attributes_escaped(
     env = service_env(settings, sqs_endpoint, COLUMNS="300")
     shown = cli(env, "dlq", "list")
     assert shown.returncode == 0, shown.stderr
-    assert not any(char in shown.stdout for char in "\x1b\x07\u202e\u0085\u200b")
+    assert not any(char in shown.stdout for char in "\x9b\x9c\x9d\u202e\u0085\u200b")
     text = "".join(shown.stdout.split())
-    assert "\\x1b]0;pwned\\x07\\x1b[2Jaudit" in text
+    assert "\\x9d0;pwned\\x9c\\x9b2Jaudit" in text
     assert "permanent\\u202eerror" in text and "Value\\x85Error\\u200b" in text

@@ -49,6 +49,7 @@ RUN_KEYS = {
     "last_error",
     "dead_lettered_at",
     "age_seconds",
+    "parked",
 }
 LETTER_KEYS = {
     "queue",
@@ -147,6 +148,11 @@ def test_status_prints_tables_and_a_json_document(
         "queues",
         "workers",
         "waiting_for_a_worker",
+        "parked_count",
+        "parked",
+        "unreceived_after_seconds",
+        "unreceived_count",
+        "unreceived",
     }
     assert {(p["table"], p["queue"], p["pending"], p["due"]) for p in document["pending"]} == {
         ("platform_outbox_messages", "default", 1, 1),
@@ -500,7 +506,13 @@ def test_purge_dry_run_then_purge(engine: sa.Engine, env: dict[str, str]) -> Non
     assert {c["category"]: c["deleted"] for c in stricter["counts"]}["platform_outbox_messages"] == 2
     assert {c["category"]: c["deleted"] for c in stricter["counts"]}["failed_runs"] == 0
 
-    done = cli_json(env, "purge", "--batch-size", "1")
+    # it would delete a failed run: without a terminal to ask on, it needs --yes
+    refused = cli(env, "purge", "--batch-size", "1", "--json")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert "this purge deletes 1 platform outbox messages, 1 succeeded runs, 1 failed runs" in refused.stderr
+    assert "including 1 failed runs whose DLQ messages can then no longer be requeued" in refused.stderr
+    assert "--yes" in refused.stderr and support.count(engine, "task_runs") == 2
+    done = cli_json(env, "purge", "--batch-size", "1", "--yes")
     assert done["dry_run"] is False and done["deleted"] == 3
     assert {c["category"]: c["batches"] for c in done["counts"]} == {
         "outbox_messages": 1,
@@ -514,6 +526,51 @@ def test_purge_dry_run_then_purge(engine: sa.Engine, env: dict[str, str]) -> Non
     assert support.count(engine, "task_runs") == 0 and support.count(engine, "task_run_trail") == 0
     human = cli(env, "purge")
     assert human.returncode == 0 and "deleted" in human.stdout
+
+
+def _in_a_terminal(env: dict[str, str], answer: str, *args: str) -> tuple[int, str]:
+    """Run the CLI with a pseudo-terminal as stdin and stdout; type ``answer``."""
+    import os
+    import pty
+
+    primary, secondary = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sqla_outbox", *args],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env=env,
+    )
+    os.close(secondary)
+    output = b""
+    answered = False
+    while True:
+        try:
+            chunk = os.read(primary, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+        if not answered and b"Delete?" in output:
+            os.write(primary, answer.encode() + b"\n")
+            answered = True
+    os.close(primary)
+    return process.wait(60), output.decode(errors="replace")
+
+
+def test_a_purge_below_the_default_ages_asks_on_a_terminal_and_says_what_it_deletes(
+    engine: sa.Engine, env: dict[str, str]
+) -> None:
+    _seed_purgeable(engine)
+    code, shown = _in_a_terminal(env, "n", "purge", "--sent-after-days", "0", "--failed-after-days", "40")
+    assert code == 1, shown
+    assert "ages below the defaults: purge_sent_after_days 0 (default 7)" in shown
+    assert "2 platform outbox messages" in shown and "Delete?" in shown
+    assert support.count(engine, "platform_outbox_messages") == 3
+    code, shown = _in_a_terminal(env, "y", "purge", "--sent-after-days", "0", "--failed-after-days", "40")
+    assert code == 0, shown
+    assert support.count(engine, "platform_outbox_messages") == 1  # the pending row
 
 
 @pytest.fixture

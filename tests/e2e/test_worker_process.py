@@ -40,23 +40,6 @@ def finished(engine: sa.Engine, run_id: uuid.UUID) -> bool:
     return status_of(engine, run_id) in ("succeeded", "failed")
 
 
-@pytest.fixture
-def worker_with_relay(settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]):
-    processes = []
-
-    def start(**extra: str) -> Any:
-        extra.setdefault("SQLA_OUTBOX_WORKER_RUN_RELAY", "true")
-        process = start_worker(settings, sqs_endpoint, name=f"worker{len(processes)}", **extra)
-        processes.append(process)
-        process.wait_for_action("worker.started")
-        return process
-
-    yield start
-    for process in processes:
-        process.kill()
-        print(f"--- {process.name} log (tail) ---\n" + "".join(process.raw[-60:]))  # shown on failure
-
-
 def test_success_commits_effects_with_the_status_and_deletes_the_message(
     app: sessionmaker[Session], engine: sa.Engine, worker_with_relay: Any, sqs: Any, queues: dict[str, str]
 ) -> None:

@@ -49,6 +49,10 @@ def behave(payload: dict[str, Any], ctx: TaskContext) -> None:
         raise errors.ValidationFailed("order 7 has no lines")
     if mode == "permanent_until_fixed" and not os.path.exists(payload["fixed"]):
         raise errors.ValidationFailed("the <b>order service</b> refused order 7")
+    if mode == "permanent_text":  # text from outside: PostgreSQL and SQS refuse some of it
+        raise errors.PermanentError(payload["text"])
+    if mode == "transient_text" and ctx.attempt == 1:
+        raise RuntimeError(payload["text"])
     if mode == "keyerror":
         raise KeyError("missing-sku")
     if mode == "retry_in":

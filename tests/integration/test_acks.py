@@ -79,3 +79,60 @@ def test_a_lone_delete_waits_only_the_linger(
 
     ok, elapsed = asyncio.run(scenario())
     assert ok and elapsed < 1.0
+
+
+def test_the_heartbeat_never_asks_for_visibility_past_12_hours_after_the_first_receive(
+    sqs: Any,
+    queues: dict[str, str],
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    engine: Any,
+    catalog: Any,
+) -> None:
+    """A message first received almost 12 hours ago, 100 s left: the heartbeat asks for
+    what is left (less a minute), not the queue's 120 s, which SQS would refuse."""
+    import time
+
+    from sqla_outbox.worker.consumer import visibility_ends_by
+    from sqla_outbox.worker.flight import InFlight
+    from sqla_outbox.worker.heartbeat import beat
+    from sqla_outbox.worker.registry import Registry
+    from sqla_outbox.worker.runtime import Runtime
+    from tests.support import backdate_first_receive
+
+    sqs.send_message(QueueUrl=queues["default"], MessageBody="long handler")
+    [first] = sqs.receive_message(QueueUrl=queues["default"], VisibilityTimeout=1)["Messages"]
+    backdate_first_receive(sqs_endpoint, first["MessageId"], time.time() - 43_100)
+    time.sleep(1.2)
+    [message] = sqs.receive_message(
+        QueueUrl=queues["default"], AttributeNames=["ApproximateFirstReceiveTimestamp"], VisibilityTimeout=1
+    )["Messages"]
+    flight = InFlight(
+        "default",
+        message["MessageId"],
+        message["ReceiptHandle"],
+        2,
+        message["Body"],
+        {},
+        visibility_ends_by=visibility_ends_by(message["Attributes"]["ApproximateFirstReceiveTimestamp"]),
+    )
+    flight.extended_at -= 60  # due for an extension
+    runtime = Runtime(
+        settings.replace(sqs_endpoint_url=sqs_endpoint),
+        worker_id="test",
+        registry=Registry(),
+        catalog=catalog,
+        engine=engine,
+        client=sqs,
+        io_threads=2,
+    )
+    runtime.visibility["default"] = 120
+
+    async def scenario() -> None:
+        await beat(runtime, [flight])
+        await runtime.close()
+
+    asyncio.run(scenario())
+    assert time.monotonic() - flight.extended_at < 5  # the extension was accepted
+    time.sleep(1.5)  # past the 1 s of the receive: still hidden by the extension (about 40 s)
+    assert sqs.receive_message(QueueUrl=queues["default"]).get("Messages", []) == []

@@ -414,3 +414,51 @@ def test_merge_is_refused_clearly_and_writes_nothing(
     with factory() as session, pytest.raises(TypeError, match=r"session.merge\(\) of a Publish"):
         session.merge(Publish("user.created", {"u": 1}))
     assert count(engine, "task_runs") == 0
+
+
+@pytest.mark.parametrize(("script", "char"), [("ascii", "a"), ("latin", "é"), ("cjk", "中"), ("emoji", "😀")])
+def test_payload_size_is_counted_in_utf8_bytes_whatever_the_script(
+    factory: sessionmaker[Session],
+    engine: sa.Engine,
+    catalog: Catalog,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    queues: dict[str, str],
+    sqs: object,
+    script: str,
+    char: str,
+) -> None:
+    """``Dispatch("t", {"s": "中" * 80000})`` (240 KB of UTF-8) was refused as 560,310 bytes:
+    each non-ASCII character was escaped twice (7 bytes; an emoji 14). The limit applies to
+    the UTF-8 bytes SQS counts; a payload up to the limit less the envelope's overhead is
+    accepted in any script, goes through (strict) SQS and arrives byte for byte."""
+    from sqla_outbox import envelope
+    from sqla_outbox.relay import Relay
+
+    limit = settings.max_message_bytes
+    width = len(char.encode("utf-8"))
+    (probe,) = Dispatch("audit", {"s": ""}).prepare(catalog, max_message_bytes=10**9)
+    overhead = (
+        envelope.message_size_bytes(
+            probe.envelope_json, envelope.message_attributes(probe.run_id, "audit", None)
+        )
+        + envelope.SIGNATURE_SIZE_BYTES
+    )
+    fits = (limit - overhead) // width
+    assert fits * width > 0.99 * limit - 1000  # nearly the whole limit, whatever the script
+    with pytest.raises(errors.EnvelopeTooLarge) as refused:
+        Dispatch("audit", {"s": char * (fits + 1)}).prepare(catalog, max_message_bytes=limit)
+    assert refused.value.size_bytes == overhead + (fits + 1) * width
+    payload = {"s": char * fits}
+    with factory() as session, session.begin():
+        item = Dispatch("audit", payload)
+        session.add(item)
+    relay = Relay(settings.replace(sqs_endpoint_url=sqs_endpoint), engine=engine)
+    assert relay.run_once().sent == 1  # the strict SQS layer counts the same bytes and takes it
+    [message] = sqs.receive_message(QueueUrl=queues["default"], MessageAttributeNames=["All"])["Messages"]  # type: ignore[attr-defined]
+    received = envelope.decode(message["Body"], max_bytes=limit)
+    assert received.run_id == item.run_id
+    assert json.dumps(received.payload) == json.dumps(payload)
+    if script == "cjk":  # the issue's own example is accepted now
+        (run,) = Dispatch("audit", {"s": "中" * 80_000}).prepare(catalog, max_message_bytes=limit)
+        assert len(run.envelope_json.encode("utf-8")) < 241_000

@@ -9,6 +9,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -27,6 +28,7 @@ OUR_TABLES = {
     "task_run_trail",
     "webhook_endpoints",
     "worker_presence",
+    "schedule_slots",
 }
 
 
@@ -136,6 +138,8 @@ def test_schema_is_what_the_spec_says(database_url: str) -> None:
         "sent_at": ("timestamp with time zone", "YES"),
         "attempts": ("integer", "NO"),
         "created_at": ("timestamp with time zone", "NO"),
+        "parked_at": ("timestamp with time zone", "YES"),
+        "last_error": ("text", "YES"),
     }
     for table, column, data_type, nullable, default, is_identity, generation in columns:
         assert (data_type, nullable) == spec[column], (table, column)
@@ -146,7 +150,13 @@ def test_schema_is_what_the_spec_says(database_url: str) -> None:
         if column == "attempts":
             assert default == "0"
     assert {c[1] for c in columns if c[0] == "platform_outbox_messages"} == set(spec) - {"tenant_id"}
-    assert index is not None and "(available_at, id) WHERE (sent_at IS NULL)" in index[0]
+    assert (
+        index is not None
+        and "(available_at, id) WHERE ((sent_at IS NULL) AND (parked_at IS NULL))" in index[0]
+    )
+    assert constraints(url, "outbox_messages")["outbox_messages_parked_check"] == (
+        "CHECK (((sent_at IS NULL) OR (parked_at IS NULL)))"
+    )
 
 
 def test_models_match_the_migrations(database_url: str) -> None:
@@ -202,7 +212,7 @@ def test_run_list_indexes_are_built_concurrently_on_a_large_table(
     sa.event.listen(engine, "before_cursor_execute", lambda *args: statements.append(args[2].strip()))
     try:
         with engine.connect() as conn:
-            migrations.upgrade(conn)
+            migrations.upgrade(conn, "sqlaob_0003")
     finally:
         engine.dispose()
     built = [s for s in statements if s.startswith("CREATE INDEX") and "_created_at_idx" in s]
@@ -214,8 +224,8 @@ def test_run_list_indexes_are_built_concurrently_on_a_large_table(
         "task_runs_task_created_at_idx": True,
         "task_runs_tenant_id_created_at_idx": True,
     }
-    assert migrations.current_revisions(url) == migrations.head_revisions()
-    migrations.downgrade(url, "sqlaob_0001")
+    assert migrations.current_revisions(url) == ("sqlaob_0003",)
+    migrations.downgrade(url, "sqlaob_0002")
     assert _run_list_indexes(empty_db) == {}
 
 
@@ -258,6 +268,45 @@ def _shop_recipe(
 
 def test_application_alembic_environment_recipe(empty_db: str) -> None:
     _shop_recipe(empty_db, extra_path=str(ROOT))
+
+
+def test_a_data_migration_that_dispatches_works_offline_and_across_a_downgrade_upgrade_cycle(
+    empty_db: str,
+) -> None:
+    """docs/alembic.md "A data migration that dispatches": ``--sql`` used to break (a
+    Session on the offline mock connection); deterministic run ids keep a second upgrade
+    from dispatching again while the first upgrade's runs exist."""
+    kwargs: dict[str, Any] = {
+        "url": empty_db,
+        "config": ROOT / "examples" / "shop" / "alembic.ini",
+        "extra_path": str(ROOT),
+    }
+    offline = alembic(["upgrade", "heads", "--sql"], **kwargs)
+    assert "INSERT INTO tenants" in offline.stdout
+    assert "-- shop_0002: the welcome_tenant dispatches need an online upgrade" in offline.stdout
+
+    def welcomes() -> tuple[list[tuple[Any, ...]], int]:
+        with psycopg.connect(empty_db) as conn:
+            found = conn.execute(
+                "SELECT run_id, status FROM task_runs WHERE task = 'welcome_tenant' ORDER BY tenant_id"
+            ).fetchall()
+            rows = conn.execute("SELECT count(*) FROM outbox_messages").fetchone()
+        assert rows is not None
+        return found, int(rows[0])
+
+    alembic(["upgrade", "heads"], **kwargs)
+    first, rows = welcomes()
+    assert len(first) == 3 and rows == 3
+    alembic(["downgrade", "shop_0001"], **kwargs)  # not sent yet: withdrawn with the seed
+    assert welcomes() == ([], 0)
+    alembic(["upgrade", "heads"], **kwargs)
+    assert welcomes() == (first, 3)  # the same run ids again
+    with psycopg.connect(empty_db, autocommit=True) as conn:  # sent and run, as a relay and worker would
+        conn.execute("UPDATE outbox_messages SET sent_at = clock_timestamp()")
+        conn.execute("UPDATE task_runs SET status = 'succeeded', finished_at = clock_timestamp()")
+    alembic(["downgrade", "shop_0001"], **kwargs)
+    alembic(["upgrade", "heads"], **kwargs)
+    assert welcomes() == ([(run_id, "succeeded") for run_id, _ in first], 0)  # nobody welcomed twice
 
 
 def test_migrations_work_from_an_installed_wheel(empty_db: str, tmp_path: Path) -> None:

@@ -198,6 +198,49 @@ def test_a_finished_run_whose_outbox_row_is_pending_again_is_kept(
     assert outbox_ids(engine, "outbox_messages") == {run_id}
 
 
+@pytest.mark.parametrize("table", ["outbox_messages", "platform_outbox_messages"])
+def test_sent_rows_of_unfinished_runs_are_kept_by_every_purge_path(
+    engine: sa.Engine, settings: OutboxSettings, table: str
+) -> None:
+    """`purge --sent-after-days 0` deleted the rows of runs still queued or retrying in SQS:
+    the worker's envelope check, and any re-send, need them (issue 11, item 6)."""
+    tenant = 3 if table == "outbox_messages" else None
+    with engine.begin() as conn:
+        live = {}
+        for status in ("queued", "running", "retrying"):
+            live[status] = insert_run(conn, status=status, tenant_id=tenant)
+            insert_outbox(conn, table=table, sent_ago=10 * DAY, run_id=live[status])
+        done = insert_run(conn, status="succeeded", finished_ago=MINUTE, tenant_id=tenant)
+        insert_outbox(conn, table=table, sent_ago=10 * DAY, run_id=done)
+        orphan = insert_outbox(conn, table=table, sent_ago=10 * DAY)  # its run was purged long ago
+    aggressive = settings.replace(purge_sent_after_days=0)
+
+    dry = maintenance.purge(engine, aggressive, dry_run=True).by_category()
+    assert dry[table].deleted == 2
+    report = maintenance.purge(engine, aggressive).by_category()
+
+    assert report[table].deleted == 2
+    assert outbox_ids(engine, table) == set(live.values())
+    assert done not in outbox_ids(engine, table) and orphan not in outbox_ids(engine, table)
+
+
+def test_a_purged_failed_run_takes_its_parked_row_with_it(
+    engine: sa.Engine, settings: OutboxSettings
+) -> None:
+    with engine.begin() as conn:
+        parked_run = insert_run(conn, status="failed", finished_ago=40 * DAY, tenant_id=2)
+        insert_outbox(conn, sent_ago=None, run_id=parked_run)
+        recent = insert_run(conn, status="failed", finished_ago=DAY, tenant_id=2)
+        insert_outbox(conn, sent_ago=None, run_id=recent)
+        conn.execute(sa.text("UPDATE outbox_messages SET parked_at = clock_timestamp(), last_error = 'X: y'"))
+
+    counts = maintenance.purge(engine, settings).by_category()
+
+    assert counts["failed_runs"].deleted == 1
+    assert run_ids(engine) == {recent}
+    assert outbox_ids(engine, "outbox_messages") == {recent}
+
+
 def test_batches_smaller_than_the_set_loop_until_a_short_batch(
     engine: sa.Engine, settings: OutboxSettings
 ) -> None:

@@ -59,7 +59,7 @@ def test_rows_not_due_yet_stay_pending(app: sessionmaker[Session], relay: Relay,
     assert outbox_rows(engine)[0].sent_at is None
 
 
-def test_a_failing_row_backs_off_without_blocking_the_rows_behind_it(
+def test_a_row_sqs_refuses_is_parked_without_blocking_the_rows_behind_it(
     app: sessionmaker[Session],
     relay: Relay,
     sqs: Any,
@@ -81,20 +81,13 @@ def test_a_failing_row_backs_off_without_blocking_the_rows_behind_it(
     with app() as session, session.begin():
         session.add(Dispatch("audit", {"n": 2}))
     big_relay = Relay(relay.settings.replace(max_message_bytes=1_048_576), engine=engine, sender=relay.sender)
-    for expected_attempts in (1, 2):
-        with engine.begin() as conn:  # make the bad row due again
-            conn.execute(
-                sa.text(
-                    "UPDATE platform_outbox_messages SET available_at = clock_timestamp() "
-                    "WHERE sent_at IS NULL"
-                )
-            )
-        result = big_relay.run_once()
-        assert result.failed == 1
-        [bad] = [r for r in outbox_rows(engine) if r.sent_at is None]
-        assert bad.attempts == expected_attempts
-        backoff = bad.available_at - dt.datetime.now(dt.UTC)
-        assert dt.timedelta(seconds=0.5) < backoff <= dt.timedelta(seconds=2 ** (expected_attempts - 1) + 1)
+    result = big_relay.run_once()
+    assert (result.sent, result.failed, result.parked) == (2, 1, 1)
+    [bad] = [r for r in outbox_rows(engine) if r.sent_at is None]
+    assert bad.attempts == 1
+    with engine.begin() as conn:  # even due again, a parked row is never claimed
+        conn.execute(sa.text("UPDATE platform_outbox_messages SET available_at = clock_timestamp()"))
+    assert big_relay.run_once().claimed == 0
     assert {
         json.loads(json.loads(m["Body"])["payload"])["n"]
         for m in receive_all(sqs, queues["default"], expect=2)
@@ -111,9 +104,12 @@ def test_endpoint_down_counts_attempts_for_every_row(
         session.add_all([Dispatch("audit", {"n": n}) for n in range(3)])
     result = down.run_once()
     down.sender.close()
-    assert (result.sent, result.failed) == (0, 3)
-    assert [r.attempts for r in outbox_rows(engine)] == [1, 1, 1]
-    assert all(r.sent_at is None for r in outbox_rows(engine))
+    assert (result.sent, result.failed, result.parked) == (0, 3, 0)
+    rows = outbox_rows(engine)
+    assert [r.attempts for r in rows] == [1, 1, 1]
+    assert all(r.sent_at is None for r in rows)
+    for r in rows:  # backed off by relay_backoff_base_seconds (1 s) after the first failure
+        assert dt.timedelta(seconds=0.5) < r.available_at - dt.datetime.now(dt.UTC) <= dt.timedelta(seconds=1)
 
 
 def test_only_one_relay_holds_the_lock(relay: Relay, settings: OutboxSettings, engine: sa.Engine) -> None:

@@ -10,7 +10,7 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from sqla_outbox import errors
+from sqla_outbox import errors, maintenance
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.relay import Relay
@@ -74,6 +74,35 @@ def test_two_schedulers_and_restarts_dispatch_each_slot_once(engine: sa.Engine) 
     assert run.task == "rebuild_cache" and run.tenant_id is None and row.kind == "platform"
     slot = json.loads(row.envelope["payload"])["slot"]
     assert run.run_id == slot_run_id("rebuild_cache", dt.datetime.fromisoformat(slot))
+
+
+def test_a_slot_is_never_dispatched_again_after_its_run_was_purged(
+    engine: sa.Engine, settings: OutboxSettings
+) -> None:
+    """Monthly task: its 1st-of-the-month run succeeded, was purged 8 days later, then the
+    relay restarted. The slot must not run again (issue 11, item 5)."""
+    catalog = scheduled_catalog({"cron": "0 0 1 * *"})
+    with engine.connect() as conn:
+        assert Scheduler(catalog).tick(conn) == 1
+    [run] = runs(engine)
+    with engine.begin() as conn:  # it ran, and all of that was 8 days ago
+        conn.execute(
+            sa.text(
+                "UPDATE task_runs SET status = 'succeeded', "
+                "finished_at = clock_timestamp() - interval '8 days'"
+            )
+        )
+        conn.execute(
+            sa.text("UPDATE platform_outbox_messages SET sent_at = clock_timestamp() - interval '8 days'")
+        )
+    purged = maintenance.purge(engine, settings).by_category()
+    assert purged["succeeded_runs"].deleted == 1 and purged["platform_outbox_messages"].deleted == 1
+    assert runs(engine) == [] and outbox_rows(engine) == []
+    with engine.connect() as conn:
+        assert Scheduler(catalog).tick(conn) == 0  # a restarted (or another) relay
+        stored = conn.execute(sa.text("SELECT task, last_slot, run_id FROM schedule_slots")).all()
+    assert runs(engine) == [] and outbox_rows(engine) == []
+    assert [(task, run_id) for task, _, run_id in stored] == [("rebuild_cache", run.run_id)]
 
 
 def test_each_new_slot_is_dispatched_once(engine: sa.Engine) -> None:

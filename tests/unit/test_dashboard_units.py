@@ -323,6 +323,7 @@ def test_registry_places_actions_and_refuses_clashes() -> None:
         None,
         None,
         0.0,
+        False,
     )
     assert registry.for_run(run) == [requeue] and requeue.run_fields(run) == {"run_id": str(run.run_id)}
     assert registry.for_run(dataclasses.replace(run, status="succeeded")) == []

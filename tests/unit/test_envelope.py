@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from sqla_outbox import envelope, errors
+from sqla_outbox import charsets, envelope, errors
 
 
 def make(**overrides: object) -> envelope.Envelope:
@@ -31,10 +31,13 @@ def test_encode_then_decode_round_trips() -> None:
     assert decoded.payload == {"user_id": 7}
 
 
-def test_body_is_compact_ascii_json() -> None:
-    body = make(payload_json=envelope.encode_payload("t", {"name": "Zoë ☃"})).encode()
-    assert body.isascii()
-    assert json.loads(json.loads(body)["payload"]) == {"name": "Zoë ☃"}
+def test_body_is_compact_utf8_json_with_what_sqs_refuses_escaped() -> None:
+    value = {"name": "Zoë ☃ 中 😀", "nul": "\x00", "bell": "\x07", "lone": "\ud800", "nonchar": "\uffff"}
+    body = make(payload_json=envelope.encode_payload("t", value)).encode()
+    assert "Zoë ☃ 中 😀" in body  # kept as UTF-8: 1 to 4 bytes each, as SQS counts
+    assert charsets.sqs_allowed(body) and charsets.storable(body)
+    assert json.loads(json.loads(body)["payload"]) == value
+    assert len(envelope.encode_payload("t", "中" * 100).encode("utf-8")) == 302
 
 
 @pytest.mark.parametrize(

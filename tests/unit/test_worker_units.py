@@ -9,6 +9,8 @@ import random
 import pytest
 
 from sqla_outbox import errors
+from sqla_outbox.worker.consumer import visibility_ends_by
+from sqla_outbox.worker.flight import InFlight
 from sqla_outbox.worker.outcome import backoff_seconds
 from sqla_outbox.worker.receive import SlotPool
 from sqla_outbox.worker.registry import Registry, RetryPolicy
@@ -79,8 +81,30 @@ def test_backoff_is_exponential_jittered_and_capped(receive_count: int) -> None:
 
 
 def test_backoff_stays_inside_the_sqs_12_hour_visibility_limit() -> None:
-    value = backoff_seconds(20, base=60, cap=43_200, elapsed_since_receive=43_000, rng=random.Random(1))
-    assert value <= 43_200 - 43_000 - 60 or value == 0
+    """SQS keeps a message hidden at most 12 hours after its first receive."""
+    now = 1000.0
+    # first received 43,000 s ago (SQS epoch milliseconds): 200 s left, less a minute of margin
+    ends_by = visibility_ends_by(str((1_800_000_000 - 43_000) * 1000), now=now, wall=1_800_000_000)
+    flight = InFlight("default", "m", "h", 3, "{}", {}, visibility_ends_by=ends_by)
+    assert flight.hideable_seconds(43_200, now=now) == pytest.approx(140)
+    assert flight.hideable_seconds(30, now=now) == 30
+    assert flight.hideable_seconds(43_200, now=now + 500) == 0
+    value = backoff_seconds(
+        20,
+        base=60,
+        cap=43_200,
+        allowed_seconds=flight.hideable_seconds(43_200, now=now),
+        rng=random.Random(1),
+    )
+    assert 70 <= value <= 140
+
+
+@pytest.mark.parametrize("stamp", [None, "", "soon", "-5", str(10**20)])
+def test_an_implausible_first_receive_timestamp_counts_as_this_receive(stamp: str | None) -> None:
+    ends_by = visibility_ends_by(stamp, now=50.0, wall=1_800_000_000)
+    assert 50.0 <= ends_by <= 50.0 + 43_200
+    if stamp in (None, "", "soon", str(10**20)):
+        assert ends_by == 50.0 + 43_200
 
 
 def test_registry_builds_the_catalog_from_decorators() -> None:
