@@ -1,7 +1,7 @@
 """Debian's Chromium driven by Playwright, for the dashboard's browser tests.
 
 Playwright's own browser download is not used (nor reachable in CI): the system browser
-is launched by its path (``/usr/bin/chromium``, the ``chromium`` package; ``.ci/run``
+is launched by its path (``/usr/bin/chromium``, the ``chromium`` package; ``scripts/install-browser``
 installs it), headless, with a fresh user-data directory per test. Screenshots go to
 ``tests/artifacts/dashboard/`` (git-ignored), kept after the run as test artifacts.
 """
@@ -37,7 +37,7 @@ def chromium(user_data_dir: Path) -> Iterator[Any]:
     if shutil.which(CHROMIUM) is None:
         pytest.fail(
             f"Chromium not found at {CHROMIUM}: apt-get install chromium chromium-driver "
-            "(.ci/run does), or set SQLA_OUTBOX_CHROMIUM",
+            "(./scripts/test does it through scripts/install-browser), or set SQLA_OUTBOX_CHROMIUM",
             pytrace=False,
         )
     from playwright.sync_api import sync_playwright
