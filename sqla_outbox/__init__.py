@@ -20,7 +20,7 @@ Layers, top to bottom (``docs/architecture.md``; checked by ``lint-imports``): `
 ``health | testing | ops`` → ``worker`` → ``relay`` → ``maintenance | events | migrations
 | sqs | webhooks | presence`` → ``write | wakeup | models`` → ``dispatch`` →
 ``webhook_fanout`` → ``envelope | catalog`` → ``config | metrics | tracing | logging`` →
-``errors | types | charsets | backoff``.
+``errors | types | charsets | backoff | urls``.
 """
 
 from __future__ import annotations
