@@ -113,11 +113,15 @@ def check_tenant_foreign_key_target(connection: Any, target: str) -> None:
     import sqlalchemy as sa
 
     from sqla_outbox import errors
+    from sqla_outbox.urls import redact_url
 
     table_path, _, column = target.rpartition(".")
     schema, _, table = table_path.rpartition(".")
     inspector = sa.inspect(connection)
-    database = connection.engine.url.render_as_string(hide_password=True)
+    # shown as the user configured it (no ``+psycopg`` driver name), password masked
+    database = redact_url(
+        connection.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    )
     fixes = (
         "create that table first (run your application's migrations before ours; see "
         "sqla_outbox_depends_on in docs/alembic.md), point SQLA_OUTBOX_TENANT_FOREIGN_KEY at "

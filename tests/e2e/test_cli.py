@@ -288,7 +288,7 @@ def test_migrate_explains_a_missing_tenant_table_then_reports_what_it_did(empty_
         refused,
         2,
         "error: SQLA_OUTBOX_TENANT_FOREIGN_KEY: outbox_messages.tenant_id references tenants.id",
-        "has no table 'tenants'",
+        f"but {shown.replace('postgresql+psycopg://', 'postgresql://')} has no table 'tenants'",
         "create that table first",
         "SQLA_OUTBOX_TENANT_FOREIGN_KEY=none",
     )
