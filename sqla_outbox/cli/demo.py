@@ -90,21 +90,26 @@ def expected_status(task: str, payload: dict[str, Any]) -> str:
 
 
 @click.command("demo")
-@click.option("--orders", default=30, show_default=True, help="Orders to place.")
+@click.option("--orders", default=30, show_default=True, type=click.IntRange(min=1), help="Orders to place.")
 @click.option(
     "--database-name",
     default="sqla_outbox_demo",
     show_default=True,
-    help="Database to (re)create on the DATABASE_URL server.",
+    help="Database the demo creates on the DATABASE_URL server and drops at the end; "
+    "an existing database is refused unless an earlier demo created it.",
 )
 @click.option(
-    "--review-delay", default=3.0, show_default=True, type=float, help="Delay of the ask_for_review runs [s]."
+    "--review-delay",
+    default=3.0,
+    show_default=True,
+    type=click.FloatRange(min=0, max=3600),
+    help="Delay of the ask_for_review runs [s].",
 )
 @click.option(
     "--timeout",
     default=120.0,
     show_default=True,
-    type=float,
+    type=click.FloatRange(min=1),
     help="Give up waiting for the runs after this long [s].",
 )
 @click.option(
@@ -250,13 +255,48 @@ def _shown_url(url: str) -> str:
     return redact_url(urlunsplit(parts))
 
 
+DEMO_DATABASE_COMMENT = "created by python -m sqla_outbox demo"
+"""The comment the demo puts on the databases it creates; it only ever drops or re-creates a
+database that carries it, so ``--database-name`` can never destroy someone else's database."""
+
+
+class DemoDatabaseTaken(click.ClickException):
+    """``--database-name`` names a database the demo did not create (exit status 2)."""
+
+    exit_code = EXIT_CONFIG
+
+
 def _fresh_database(server_url: str, name: str) -> str:
+    """Create database ``name`` on ``server_url`` for this run and return its URL.
+
+    A database of that name left by an earlier demo (``--keep``; recognised by
+    :data:`DEMO_DATABASE_COMMENT`) is dropped and created again; any other database of that
+    name is left alone.
+
+    Raises:
+        DemoDatabaseTaken: the database exists and the demo did not create it.
+    """
     import psycopg
     from psycopg import sql
 
     with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        row = conn.execute(
+            "SELECT shobj_description(oid, 'pg_database') FROM pg_database WHERE datname = %s", (name,)
+        ).fetchone()
+        if row is not None:
+            if row[0] != DEMO_DATABASE_COMMENT:
+                raise DemoDatabaseTaken(
+                    f"database {name!r} already exists and the demo did not create it; the demo "
+                    "drops its database at the end, so it only uses a new name (or one an earlier "
+                    "demo created): pass another --database-name"
+                )
+            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("COMMENT ON DATABASE {} IS {}").format(
+                sql.Identifier(name), sql.Literal(DEMO_DATABASE_COMMENT)
+            )
+        )
     return with_database(server_url, name)
 
 

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import psycopg
 import pytest
 
 pytestmark = pytest.mark.e2e
@@ -133,3 +134,40 @@ def test_demo_starts_an_embedded_postgres_and_wakes_through_it_when_nothing_answ
         assert not _server_running(folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_demo_refuses_a_database_it_did_not_create_and_leaves_it_alone(pg_url: str, redis_url: str) -> None:
+    """Trial finding: ``--database-name`` of an existing database used to drop it."""
+    from tests import support
+
+    name = f"precious_{uuid.uuid4().hex[:6]}"
+    support.create_database(pg_url, name)
+    try:
+        url = support.database_url(pg_url, name)
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("CREATE TABLE precious (x int)")
+            conn.execute("INSERT INTO precious VALUES (42)")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SQLA_OUTBOX_", "AWS_"))}
+        env.update({"DATABASE_URL": pg_url, "REDIS_URL": redis_url})
+        result = subprocess.run(
+            [sys.executable, "-m", "sqla_outbox", "demo", "--orders", "1", "--database-name", name],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+        assert f"database {name!r} already exists and the demo did not create it" in result.stderr
+        with psycopg.connect(url, autocommit=True) as conn:
+            assert conn.execute("SELECT x FROM precious").fetchall() == [(42,)]
+    finally:
+        support.drop_database(pg_url, name)
+
+
+def test_demo_options_refuse_nonsense_before_starting_anything() -> None:
+    for args in (["--orders", "-5"], ["--orders", "0"], ["--review-delay", "-1"], ["--timeout", "0"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "sqla_outbox", "demo", *args], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 2, (args, result.stderr)
+        assert "Invalid value for" in result.stderr, (args, result.stderr)
