@@ -308,7 +308,17 @@ def test_migrate_explains_a_missing_tenant_table_then_reports_what_it_did(empty_
     assert {"outbox_messages", "task_runs", "sqla_outbox_alembic_version"} <= tables(empty_database)
     again = cli("migrate", env=env)
     assert again.stdout == f"{shown} is already at {head} (head); nothing to do\n"
-    down = cli("migrate", "--downgrade", "--revision", "base", env=env)
+    with psycopg.connect(empty_database.replace("postgresql+psycopg://", "postgresql://")) as conn:
+        conn.execute(
+            "INSERT INTO platform_outbox_messages (run_id, queue, envelope, available_at) "
+            "SELECT gen_random_uuid(), 'default', '{}'::jsonb, now()"
+        )
+    refused_down = cli("migrate", "--downgrade", "--revision", "base", env=env)  # no terminal, no --yes
+    assert_one_line_error(
+        refused_down, 2, "hold rows (platform_outbox_messages 1", "1 outbox rows not yet sent", "--yes"
+    )
+    assert "platform_outbox_messages" in tables(empty_database)  # nothing dropped
+    down = cli("migrate", "--downgrade", "--revision", "base", "--yes", env=env)
     assert down.stdout == f"downgraded {shown} from {head} (head) to base\n"
     assert tables(empty_database) == {"tenants", "sqla_outbox_alembic_version"}
 
