@@ -56,6 +56,7 @@ def worker_command(
             if not report.ok:  # 3: a service did not answer; 2: only the configuration is wrong
                 sys.exit(EXIT_CONFIG if report.ok_without(handlers) else EXIT_CONNECT)
             sys.exit(EXIT_OK)
+        _refuse_unmigrated_database(settings)
         from sqla_outbox.logging import log_extra
         from sqla_outbox.worker.registry import registry
 
@@ -80,6 +81,42 @@ def worker_command(
         finally:
             if probe is not None:
                 probe.stop()
+
+
+def _refuse_unmigrated_database(settings: Any) -> None:
+    """Stop before receiving anything when the database answers but lacks the outbox tables.
+
+    A worker there would receive messages it can never record, spending one of each
+    message's receives (the redrive policy's maxReceiveCount) per attempt. A database that
+    does not answer yet is left to the worker, which waits for it as during any outage.
+
+    Raises:
+        ConfigurationError: the outbox tables (or some of them) are missing (exit code 2).
+    """
+    import sqlalchemy as sa
+
+    from sqla_outbox import errors, migrations
+    from sqla_outbox.config import redact_url
+
+    engine = sa.create_engine(
+        settings.sqlalchemy_url,
+        poolclass=sa.pool.NullPool,
+        hide_parameters=True,
+        connect_args={"connect_timeout": 10, "application_name": "sqla_outbox-worker"},
+    )
+    try:
+        with engine.connect() as connection:
+            missing = migrations.missing_tables(connection)
+            if missing:
+                raise errors.ConfigurationError(
+                    migrations.missing_tables_message(
+                        redact_url(settings.database_url), missing, connection=connection
+                    )
+                )
+    except sa.exc.OperationalError:
+        return
+    finally:
+        engine.dispose()
 
 
 def main_worker() -> None:

@@ -381,3 +381,19 @@ def test_relay_once_reports_that_another_relay_is_active(
         "leader": True,
         "stalled": False,
     }
+
+
+def test_a_worker_refuses_to_start_on_a_database_without_the_outbox_tables(empty_database: str) -> None:
+    """Trial finding: it used to start, receive messages it could not record and spend their
+    receive budget; now it stops before receiving anything, naming the cause."""
+    env = bare_env(
+        SQLA_OUTBOX_DATABASE_URL=empty_database,
+        SQLA_OUTBOX_SQS_ENDPOINT_URL="http://127.0.0.1:9",  # never reached
+        SQLA_OUTBOX_WORKER_IMPORTS="tests.e2e.worker_tasks",
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "sqla_outbox.worker"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "outbox tables" in result.stderr and "migrate" in result.stderr, result.stderr
+    assert "worker started" not in result.stderr
