@@ -63,6 +63,9 @@ MESSAGE_REFUSALS = frozenset(
 """Error codes that, on a call carrying one message, mean SQS refuses that message (SQS
 API Reference, SendMessageBatch "Errors" and SendMessage "Errors")."""
 
+TOO_LARGE = "MessageTooLargeForRelay"
+"""Our own code for a message above the relay's ``max_message_bytes`` (never sent)."""
+
 REFUSED = "refused"
 ENTRY = "entry"
 CALL = "call"
@@ -142,7 +145,8 @@ def pack(entries: Sequence[Entry], *, max_bytes: int) -> Iterator[list[Entry]]:
     """Split one queue's entries, in order, into SendMessageBatch-sized lists.
 
     Each list has at most 10 entries and at most ``max_bytes`` in total, except that an
-    entry larger than ``max_bytes`` travels alone (SQS then refuses it, and only it).
+    entry larger than ``max_bytes`` travels alone (:class:`SqsSender` refuses such an entry
+    before packing; SQS would refuse it, and only it).
     """
     batch: list[Entry] = []
     size = 0
@@ -177,20 +181,52 @@ class SqsSender:
     def send(self, rows: Sequence[ClaimedRow]) -> SendResult:
         """Send ``rows``; every row ends up in ``sent`` or ``failed``."""
         by_queue: dict[str, list[Entry]] = {}
+        result = SendResult()
         for row in rows:
-            by_queue.setdefault(row.queue, []).append(build_entry(row, self.signing_key))
+            entry = build_entry(row, self.signing_key)
+            if entry.size_bytes > self.max_bytes:
+                result.failed.append((row, self._too_large(entry)))
+                continue
+            by_queue.setdefault(row.queue, []).append(entry)
         calls = [
             (queue, batch)
             for queue, entries in by_queue.items()
             for batch in pack(entries, max_bytes=self.max_bytes)
         ]
-        result = SendResult()
         if len(calls) == 1:
             result.merge(self._send_batch(*calls[0]))
             return result
         for outcome in self._pool.map(lambda call: self._send_batch(*call), calls):
             result.merge(outcome)
         return result
+
+    def _too_large(self, entry: Entry) -> SendFailure:
+        """A message above this relay's ``max_message_bytes``: refused here, never sent.
+
+        The dispatching process allowed it, so its ``max_message_bytes`` is larger than
+        this relay's; a worker with the relay's setting would refuse the message unexecuted
+        (as ``malformed-envelope:too-large``) and the run would stay ``queued``. Parking it
+        makes the mismatch visible at once, as a ``failed`` run with this error.
+        """
+        logger.warning(
+            "entry refused",
+            extra=log_extra(
+                action="relay.entry_failed",
+                queue=entry.row.queue,
+                run_id=str(entry.row.run_id),
+                error_code=TOO_LARGE,
+                size_bytes=entry.size_bytes,
+            ),
+        )
+        metrics.RELAY_FAILED.labels(entry.row.queue, TOO_LARGE).inc()
+        return SendFailure(
+            TOO_LARGE,
+            f"the message is {entry.size_bytes} bytes, above this relay's max_message_bytes "
+            f"({self.max_bytes}); the application, the relay and the workers must share one "
+            "max_message_bytes (and provision the queues with it); fix the setting, then "
+            "`outbox unpark`",
+            REFUSED,
+        )
 
     def _send_batch(self, queue: str, batch: list[Entry]) -> SendResult:
         result = SendResult()

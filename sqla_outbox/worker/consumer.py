@@ -305,10 +305,37 @@ class Worker:
                     option="SQLA_OUTBOX_WORKER_QUEUES",
                 ) from exc
             attributes = self.client.get_queue_attributes(
-                QueueUrl=url, AttributeNames=["VisibilityTimeout", "RedrivePolicy"]
+                QueueUrl=url, AttributeNames=["VisibilityTimeout", "RedrivePolicy", "MaximumMessageSize"]
             )["Attributes"]
             self.runtime.visibility[queue] = int(attributes["VisibilityTimeout"])
             self._check_redrive(queue, attributes.get("RedrivePolicy"))
+            self._check_message_size(queue, attributes.get("MaximumMessageSize"))
+
+    def _check_message_size(self, queue: str, maximum: str | None) -> None:
+        """Refuse a queue that accepts larger messages than this worker reads.
+
+        The worker refuses a message above ``max_message_bytes`` unexecuted, as untrusted
+        input (``malformed-envelope:too-large``), and a genuine run's message refused that
+        way leaves the run ``queued``. A queue provisioned for more (its
+        ``MaximumMessageSize`` attribute) means some process dispatches or sends with a
+        larger setting than this worker's: say so before receiving anything.
+
+        Raises:
+            ConfigurationError: Naming the queue and both sizes (bytes).
+        """
+        try:
+            accepted = int(maximum) if maximum else 0
+        except ValueError:
+            return
+        if accepted > self.settings.max_message_bytes:
+            raise errors.ConfigurationError(
+                f"queue {self.settings.queue_url_name(queue)!r} accepts messages up to {accepted} "
+                f"bytes (MaximumMessageSize), but this worker refuses messages above "
+                f"{self.settings.max_message_bytes}: the application, the relay and every worker "
+                "must share one max_message_bytes; set it to the queue's size here too, or "
+                "provision the queues with the smaller size (`python -m sqla_outbox provision --fix`)",
+                option="SQLA_OUTBOX_MAX_MESSAGE_BYTES",
+            )
 
     def _check_redrive(self, queue: str, redrive_policy: str | None) -> None:
         """Refuse a queue whose redrive ``maxReceiveCount`` would act before the worker.

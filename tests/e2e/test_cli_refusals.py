@@ -104,6 +104,19 @@ def test_a_queue_whose_redrive_acts_before_the_worker_is_refused(
     assert "Traceback" not in result.stderr
 
 
+def test_a_queue_that_accepts_larger_messages_than_the_worker_reads_is_refused(
+    settings: OutboxSettings, sqs_endpoint: str, sqs: Any, queues: dict[str, str]
+) -> None:
+    """Trial finding: queues provisioned for 1 MiB by a process with a larger
+    max_message_bytes; a worker with the default refused the runs' messages unexecuted and
+    the runs stayed queued. The worker now refuses to start, naming both sizes."""
+    sqs.set_queue_attributes(QueueUrl=queues["default"], Attributes={"MaximumMessageSize": "1048576"})
+    result = worker("--imports", "tests.e2e.worker_tasks", env=service_env(settings, sqs_endpoint))
+    assert result.returncode == 2, result.stderr
+    assert "accepts messages up to 1048576 bytes (MaximumMessageSize)" in result.stderr
+    assert "refuses messages above 262144" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_an_unreachable_database_is_one_line_with_exit_code_3(tmp_path: Path) -> None:
     env = {
         **os.environ,

@@ -196,9 +196,10 @@ def test_a_message_larger_than_the_queue_takes_is_parked_at_once_and_others_go(
     sqs: Any,
     queues: dict[str, str],
 ) -> None:
+    """The relay allows 1 MiB; the queue was provisioned with the 256 KiB default."""
     big = _big_row(engine, payload_bytes=300_000)
     healthy = dispatch(app, "rebuild_cache", {"n": 1})
-    relay = Relay(relay_settings, engine=engine)
+    relay = Relay(relay_settings.replace(max_message_bytes=1_048_576), engine=engine)
 
     result = relay.run_once()
 
@@ -209,6 +210,29 @@ def test_a_message_larger_than_the_queue_takes_is_parked_at_once_and_others_go(
     report = status_ops.collect(engine.connect(), relay_settings)
     assert report.parked_count == 1 and report.parked[0].run_id == big
     assert all(p.table != "platform_outbox_messages" or p.pending == 0 for p in report.pending)
+
+
+def test_a_message_above_the_relays_own_limit_is_parked_unsent_naming_the_setting(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    relay_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+) -> None:
+    """Trial finding: the application dispatched with max_message_bytes 1 MiB, the queues
+    were provisioned for 1 MiB, and the relay (256 KiB, the default) sent a 300 KB message
+    anyway; a worker with the default then refused it unexecuted and the run stayed queued.
+    The relay now refuses what its own setting refuses, so the mismatch shows at once."""
+    sqs.set_queue_attributes(QueueUrl=queues["maintenance"], Attributes={"MaximumMessageSize": "1048576"})
+    big = _big_row(engine, payload_bytes=300_000)
+    healthy = dispatch(app, "rebuild_cache", {"n": 1})
+
+    result = Relay(relay_settings, engine=engine).run_once()
+
+    assert (result.sent, result.parked) == (1, 1)
+    assert_parked(engine, big, "MessageTooLargeForRelay")
+    assert "above this relay's max_message_bytes (262144)" in row(engine, big).last_error
+    assert [body["run_id"] for body in bodies(sqs, queues["maintenance"])] == [str(healthy)]
 
 
 def test_a_batch_too_long_for_the_queue_is_sent_entry_by_entry(
