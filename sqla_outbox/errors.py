@@ -302,15 +302,19 @@ class WebhookFailed(OutboxError):
     """A webhook delivery failed in a way another attempt may fix (a transient failure).
 
     5xx and 429 responses, timeouts, refused or reset connections, and names that do not
-    resolve (yet). The run is retried with backoff; ``Retry-After`` is honoured through
-    :class:`Retry`.
+    resolve (yet). The run is retried with the task's backoff; a ``Retry-After`` the receiver
+    sent only lengthens that delay (the next attempt waits the longer of the two), so a
+    receiver asking for 2 s cannot make every attempt run out within seconds.
 
     Attributes:
         reason: ``server-error``, ``rate-limited``, ``timeout``, ``connection`` or ``dns``.
+        retry_after_seconds: The receiver's ``Retry-After`` in seconds (already capped), or
+            None when it sent none.
     """
 
     code = "webhook-failed"
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, *, retry_after_seconds: float | None = None) -> None:
         self.reason = reason
+        self.retry_after_seconds = retry_after_seconds
         super().__init__(f"{reason}: {message}")

@@ -467,7 +467,8 @@ class _InlineRunner:
                 return self._fail(
                     attempt, exc, reason="permanent-error", trace=trace, detail=ctx.trail_detail
                 )
-            return self._transient(attempt, exc, limit, trace=trace, detail=ctx.trail_detail)
+            at_least = exc.retry_after_seconds if isinstance(exc, errors.WebhookFailed) else None
+            return self._transient(attempt, exc, limit, trace=trace, delay=at_least, detail=ctx.trail_detail)
         return "succeeded", None, None
 
     # --- verdicts --------------------------------------------------------------------------
@@ -484,7 +485,8 @@ class _InlineRunner:
         if attempt.receive_count >= limit:
             return self._fail(attempt, exc, reason="retries-exhausted", trace=trace, detail=detail)
         failure = runs.Failure.from_exception(exc, trace)
-        # inline, the next attempt follows at once: the trail records the delay used (0 s)
+        # inline, the next attempt follows at once: the trail records the delay used (0 s),
+        # or the delay a Retry / a webhook receiver's Retry-After asked for
         backoff = 0.0 if self.retries or delay is None else delay
         with self.engine.begin() as connection:
             moved = runs.mark_retrying(

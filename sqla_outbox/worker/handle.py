@@ -50,7 +50,7 @@ from sqla_outbox.sqs.client import SQS_MAX_VISIBILITY_SECONDS
 from sqla_outbox.worker import deferral, execute, runs
 from sqla_outbox.worker.context import bounded_detail
 from sqla_outbox.worker.flight import InFlight
-from sqla_outbox.worker.outcome import backoff_seconds, utc_now_text
+from sqla_outbox.worker.outcome import backoff_seconds, transient_delay, utc_now_text
 from sqla_outbox.worker.registry import TaskDefinition
 from sqla_outbox.worker.runtime import Runtime
 
@@ -280,7 +280,8 @@ async def _execute(
         if definition.is_permanent(exc):
             await _fail(runtime, flight, attempt, exc, reason="permanent-error", trace=trace)
         else:
-            await _transient(runtime, flight, attempt, exc, limit, definition, trace=trace)
+            at_least = exc.retry_after_seconds if isinstance(exc, errors.WebhookFailed) else None
+            await _transient(runtime, flight, attempt, exc, limit, definition, trace=trace, at_least=at_least)
         return
     finally:
         metrics.HANDLER_SECONDS.labels(env.task).observe(time.perf_counter() - started)
@@ -308,21 +309,30 @@ async def _transient(
     *,
     trace: str | None,
     delay: float | None = None,
+    at_least: float | None = None,
 ) -> None:
+    """Record a transient failure and hide the message until its next attempt.
+
+    ``delay`` (seconds, from :class:`~sqla_outbox.errors.Retry`) replaces the task's backoff;
+    ``at_least`` (seconds, a webhook receiver's ``Retry-After``) only lengthens it.
+    """
     if flight.receive_count >= limit:
         await _fail(runtime, flight, attempt, exc, reason="retries-exhausted", trace=trace)
         return
     base = definition.retry.backoff_base_seconds
     cap = definition.retry.backoff_max_seconds
-    if delay is not None:
-        seconds = flight.hideable_seconds(delay)
-    else:
-        seconds = backoff_seconds(
+    allowed = flight.hideable_seconds(SQS_MAX_VISIBILITY_SECONDS)
+    seconds = transient_delay(
+        backoff_seconds(
             flight.receive_count,
             base=runtime.settings.worker_backoff_base_seconds if base is None else base,
             cap=runtime.settings.worker_backoff_max_seconds if cap is None else cap,
-            allowed_seconds=flight.hideable_seconds(SQS_MAX_VISIBILITY_SECONDS),
-        )
+            allowed_seconds=allowed,
+        ),
+        delay=delay,
+        at_least=at_least,
+        allowed=allowed,
+    )
     failure = runs.Failure.from_exception(exc, trace)
     moved = await runtime.io(
         runtime.in_transaction,

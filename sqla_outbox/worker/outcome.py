@@ -66,6 +66,25 @@ def backoff_seconds(
     return backoff.equal_jitter(ceiling, rng)
 
 
+def transient_delay(computed: float, *, delay: float | None, at_least: float | None, allowed: float) -> float:
+    """Seconds to hide a message after a transient failure.
+
+    Args:
+        computed: The task's backoff for this receive (:func:`backoff_seconds`).
+        delay: A delay the handler asked for with :class:`~sqla_outbox.errors.Retry`: it
+            replaces the backoff.
+        at_least: A floor from outside (a webhook receiver's ``Retry-After``): it may only
+            lengthen the backoff, so a receiver asking for 2 s cannot spend every attempt
+            within seconds.
+        allowed: The most visibility SQS still allows the message, seconds.
+    """
+    if delay is not None:
+        return min(delay, allowed)
+    if at_least is not None:
+        return min(max(computed, at_least), allowed)
+    return computed
+
+
 class Outcomes:
     """SQS side of the worker's decisions (blocking calls; run them off the event loop).
 

@@ -19,8 +19,8 @@ Each attempt:
    fresh connection per attempt) and **classifies** the answer: 2xx succeeded; 3xx and
    4xx other than 429 → permanent (``redirect`` / ``client-error``); 429, 5xx, timeouts
    and connection errors → transient (:class:`~sqla_outbox.errors.WebhookFailed`), with
-   ``Retry-After`` honoured through :class:`~sqla_outbox.errors.Retry`, capped below
-   SQS's 12-hour visibility limit.
+   a ``Retry-After`` that lengthens the next attempt's delay beyond the task's backoff
+   (never shortens it), capped below SQS's 12-hour visibility limit.
 
 Whatever the outcome, ``ctx.trail_detail["webhook"]`` records the endpoint, the origin
 and address connected to (never the URL's path or query, which may hold a token), and a
@@ -108,9 +108,9 @@ def deliver(payload: Any, ctx: TaskContext) -> None:
 
     Raises:
         WebhookRefused: Permanent: destination refused, redirect, or 4xx other than 429.
-        Retry: 429 or 5xx with a ``Retry-After`` header (the delay it asks for, capped).
-        WebhookFailed: Transient: 429/5xx without ``Retry-After``, timeout, connection
-            error, a name that does not resolve.
+        WebhookFailed: Transient: 429/5xx (with ``retry_after_seconds`` when the receiver
+            sent ``Retry-After``: the next attempt waits at least that long, capped), timeout,
+            connection error, a name that does not resolve.
         ValidationFailed: The run's payload is not a delivery payload.
     """
     settings = ctx.settings or OutboxSettings.from_env()
@@ -290,5 +290,9 @@ def _classify(status: int, retry_after: float | None, record: dict[str, Any]) ->
     if retry_after is not None:
         delay = min(retry_after, MAX_RETRY_AFTER_SECONDS)
         record["retry_after_seconds"] = delay
-        raise errors.Retry(delay, f"{reason}: the receiver answered {status}; Retry-After {retry_after:g} s")
+        raise errors.WebhookFailed(
+            reason,
+            f"the receiver answered {status}; Retry-After {retry_after:g} s",
+            retry_after_seconds=delay,
+        )
     raise errors.WebhookFailed(reason, f"the receiver answered {status}")
