@@ -577,7 +577,8 @@ class Pages:
     # --- errors -------------------------------------------------------------------------------
     async def unauthenticated(self, request: Request, exc: Exception) -> Response:
         htmx = request.headers.get("hx-request") == "true"
-        if self.auth.uses_login_page and request.method == "GET" and not htmx:
+        presented = bool(request.headers.get("authorization"))  # a script's wrong credentials: 401
+        if self.auth.uses_login_page and request.method == "GET" and not htmx and not presented:
             login = self.path(request, "login")
             target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             return RedirectResponse(f"{login}?{urlencode({'next': target})}", status_code=303)

@@ -28,7 +28,9 @@ neither, a random key per process.
 the form field ``csrf_token`` or the ``X-CSRF-Token`` header, and must not come from
 another site (``Sec-Fetch-Site: cross-site`` is refused). A forged form on another site
 has neither the token nor, with ``SameSite=Strict``, the session cookie; basic-auth
-credentials that the browser would send along are not enough.
+credentials that the browser would send along are not enough. A request authenticated by
+``Authorization: Bearer <token>`` needs no CSRF token: a browser never attaches that header
+by itself, so another site cannot make one (scripts act with the header alone).
 """
 
 from __future__ import annotations
@@ -204,8 +206,12 @@ class Auth:
             request.session["csrf"] = token
         return token
 
-    @staticmethod
-    def check_csrf(request: Request, submitted: str | None) -> None:
+    def _bearer(self, request: Request) -> bool:
+        """The request carries ``Authorization: Bearer`` with the configured token."""
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and self.token is not None and _same(value.strip(), self.token)
+
+    def check_csrf(self, request: Request, submitted: str | None) -> None:
         """Refuse a state-changing request that lacks the session's CSRF token.
 
         Raises:
@@ -213,6 +219,8 @@ class Auth:
         """
         if request.headers.get("sec-fetch-site", "").lower() == "cross-site":
             raise Forbidden("cross-site request refused")
+        if self._bearer(request):
+            return
         expected = request.session.get("csrf")
         given = submitted or request.headers.get(CSRF_HEADER)
         if not isinstance(expected, str) or not given or not _same(given, expected):

@@ -241,19 +241,29 @@ def test_without_own_authentication_the_host_hook_decides() -> None:
 
 
 def test_csrf_needs_the_sessions_token_and_a_same_site_request() -> None:
+    auth = Auth(OutboxSettings(dashboard_token=TOKEN), identify=None, secret_key=None)
     session: dict[str, Any] = {}
     token = Auth.csrf_token(request(session=session))
     assert Auth.csrf_token(request(session=session)) == token and len(token) >= 32
-    Auth.check_csrf(request(session=session), token)
-    Auth.check_csrf(request({"X-CSRF-Token": token}, session=session), None)
+    auth.check_csrf(request(session=session), token)
+    auth.check_csrf(request({"X-CSRF-Token": token}, session=session), None)
     for submitted, headers, sess in (
         (None, {}, session),
         (token[:-1] + "x", {}, session),
         (token, {}, {}),
         (token, {"Sec-Fetch-Site": "cross-site"}, session),
+        (None, {"Authorization": "Bearer wrong-token"}, session),  # only the real token exempts
+        (None, {"Authorization": f"Bearer {TOKEN}", "Sec-Fetch-Site": "cross-site"}, {}),
     ):
         with pytest.raises(Forbidden):
-            Auth.check_csrf(request(headers, session=sess), submitted)
+            auth.check_csrf(request(headers, session=sess), submitted)
+
+
+def test_a_script_with_the_bearer_token_needs_no_csrf_token() -> None:
+    """Trial finding: a script with only ``Authorization: Bearer`` got 403 on every action.
+    A browser never attaches that header by itself, so it cannot be forged cross-site."""
+    auth = Auth(OutboxSettings(dashboard_token=TOKEN), identify=None, secret_key=None)
+    auth.check_csrf(request({"Authorization": f"Bearer {TOKEN}"}, session={}), None)
 
 
 @pytest.mark.parametrize(
