@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -147,9 +148,12 @@ def tenant(ctx: click.Context, param: click.Parameter, value: Any) -> int | str 
     if value is None or value == "platform":
         return value  # type: ignore[no-any-return]
     try:
-        return int(str(value))
+        number = int(str(value))
     except ValueError:
         raise click.BadParameter(f"{value!r} is neither a tenant id nor 'platform'", ctx, param) from None
+    if not -(2**63) <= number < 2**63:  # tenant_id is a PostgreSQL bigint
+        raise click.BadParameter(f"{value!r} is outside the range of a tenant id (bigint)", ctx, param)
+    return number
 
 
 QUEUE_CHOICE = click.Choice(QUEUE_NAMES)
@@ -171,10 +175,21 @@ def handle_errors(show_traceback: bool) -> Iterator[None]:
             raise
         echo(f"error: {exc}", err=True)
         sys.exit(EXIT_CHECK_FAILED)
+    except BrokenPipeError:
+        # the reader of stdout went away (`... --sql | head`): stop quietly, as cat does;
+        # point stdout at devnull so the interpreter's final flush does not fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(EXIT_OK)
     except Exception as exc:
         if show_traceback:
             raise
         from sqla_outbox import migrations
+
+        missing_database = _missing_database(exc)
+        if missing_database:
+            echo(f"error: {missing_database}", err=True)
+            sys.exit(EXIT_CONFIG)
 
         if migrations.is_missing_outbox_table(exc):
             database = _loaded.get("database", "the configured database")
@@ -191,6 +206,22 @@ def handle_errors(show_traceback: bool) -> Iterator[None]:
         # a bug: the stack helps, but a database error among its causes keeps its text hidden
         echo(outbox_logging.safe_traceback(exc), err=True)
         sys.exit(EXIT_CHECK_FAILED)
+
+
+def _missing_database(exc: BaseException) -> str | None:
+    """The server answered, but the database the URL names does not exist (a configuration
+    error, exit 2, not an outage): the message to show, or None."""
+    import re
+
+    cause = getattr(exc, "orig", None) or exc
+    found = re.search(r'database "([^"]{1,200})" does not exist', str(cause))
+    if found is None:
+        return None
+    return (
+        f"database {found.group(1)!r} does not exist on the server of "
+        f"{_loaded.get('database', 'the configured URL')}: create it, or point "
+        "SQLA_OUTBOX_DATABASE_URL (or DATABASE_URL) at the application's database"
+    )
 
 
 def _connection_error_summary(exc: BaseException) -> str:

@@ -42,6 +42,18 @@ def _utc(text: str, field: str) -> dt.datetime:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
 
 
+def _storable(values: Mapping[str, str]) -> None:
+    """Refuse filter text PostgreSQL ``text`` cannot hold (NUL; PostgreSQL "Character
+    Types"), which it would answer with an error rather than with no rows.
+
+    Raises:
+        FilterError: Naming the parameter.
+    """
+    for name, text in values.items():
+        if "\x00" in text:
+            raise FilterError(f"{name}: contains a NUL character")
+
+
 def runs_query(params: Mapping[str, str], *, limit: int = RUNS_PAGE_SIZE) -> RunsQuery:
     """Read the Runs page's query parameters.
 
@@ -65,6 +77,9 @@ def runs_query(params: Mapping[str, str], *, limit: int = RUNS_PAGE_SIZE) -> Run
                 raise FilterError(
                     f"tenant: {values['tenant']!r} is neither a tenant id nor 'platform'"
                 ) from None
+            if not -(2**63) <= tenant < 2**63:  # tenant_id is a PostgreSQL bigint
+                raise FilterError(f"tenant: {values['tenant']!r} is outside the range of a tenant id")
+    _storable(values)
     if values["queue"] and values["queue"] not in QUEUE_NAMES:
         raise FilterError(f"queue: {values['queue']!r} is not one of {', '.join(QUEUE_NAMES)}")
     if values["status"] and values["status"] not in RUN_STATUSES:
@@ -110,6 +125,7 @@ def dlq_query(params: Mapping[str, str]) -> DlqQuery:
         FilterError: A parameter is invalid.
     """
     values = {k: params.get(k, "").strip() for k in ("queue", "task", "older_than")}
+    _storable(values)
     if values["queue"] and values["queue"] not in QUEUE_NAMES:
         raise FilterError(f"queue: {values['queue']!r} is not one of {', '.join(QUEUE_NAMES)}")
     if len(values["task"]) > TASK_NAME_MAX_CHARS:

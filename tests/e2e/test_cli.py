@@ -397,3 +397,25 @@ def test_a_worker_refuses_to_start_on_a_database_without_the_outbox_tables(empty
     assert result.returncode == 2, result.stdout + result.stderr
     assert "outbox tables" in result.stderr and "migrate" in result.stderr, result.stderr
     assert "worker started" not in result.stderr
+
+
+def test_bad_input_is_a_usage_or_configuration_error_not_an_outage(pg_url: str, empty_database: str) -> None:
+    """Trial findings: these were reported as a refused operation, a service that cannot be
+    reached, or a BrokenPipeError."""
+    absent = support.database_url(pg_url, f"absent_{uuid.uuid4().hex[:12]}")
+    missing = cli("status", env=bare_env(SQLA_OUTBOX_DATABASE_URL=absent, SQLA_OUTBOX_VALKEY_URL="none"))
+    assert_one_line_error(missing, 2, "error: database 'absent_", "does not exist on the server of")
+
+    env = bare_env(SQLA_OUTBOX_DATABASE_URL=empty_database, SQLA_OUTBOX_TENANT_FOREIGN_KEY="none")
+    huge = cli("runs", "list", "--tenant", "99999999999999999999", env=env)
+    assert huge.returncode == 2 and "outside the range of a tenant id" in huge.stderr, huge.stderr
+
+    piped = subprocess.run(  # the reader stops after one line
+        f"{sys.executable} -m sqla_outbox migrate --sql | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert piped.stdout.strip() and piped.stderr == "", piped.stderr

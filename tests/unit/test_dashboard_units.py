@@ -122,6 +122,9 @@ def test_runs_query_reads_every_filter() -> None:
         ({"status": "done"}, "status: 'done' is not one of"),
         ({"since": "yesterday"}, "since: 'yesterday' is not a date and time"),
         ({"task": "x" * 201}, "task: at most 200 characters"),
+        # trial finding: these reached PostgreSQL and came back as 503 "database unavailable"
+        ({"tenant": "99999999999999999999"}, "tenant: '99999999999999999999' is outside the range"),
+        ({"task": "a\x00b"}, "task: contains a NUL character"),
         ({"before": "2026-11-30T10:00:00~not-a-uuid"}, "before: not a position"),
         ({"after": "2026-11-30T10:00:00~" + str(uuid.UUID(int=1))}, "after: not a position"),  # no time zone
     ],
@@ -147,6 +150,8 @@ def test_dlq_query() -> None:
     )
     with pytest.raises(views.FilterError, match="is not a duration"):
         views.dlq_query({"older_than": "soon"})
+    with pytest.raises(views.FilterError, match="task: contains a NUL character"):
+        views.dlq_query({"task": "\x00"})
 
 
 # --- a run's page ----------------------------------------------------------------------------
