@@ -186,7 +186,10 @@ class Catalog:
         if problems:
             first = problems[0]
             pointer = _pointer(first.absolute_path)
-            raise errors.CatalogError(first.message, path=source, pointer=pointer or None)
+            message = first.message
+            if first.validator == "pattern" and first.validator_value == NAME_PATTERN:
+                message = f"{first.instance!r} is not a valid name (1..200 letters, digits, _ . : -)"
+            raise errors.CatalogError(message, path=source, pointer=pointer or None)
         tasks = {
             name: TaskSpec(
                 name=name,

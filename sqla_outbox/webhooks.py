@@ -157,7 +157,8 @@ def check_events(events: Iterable[str], catalog: Catalog | None = None) -> list[
             raise errors.InvalidEndpoint(
                 "events",
                 f"{name!r} is not a webhook event in the catalog (declare it with "
-                "Registry.webhook_events and regenerate tasks.json)",
+                "sqla_outbox.worker.webhook_events(...) in a task module and regenerate "
+                "tasks.json: python -m sqla_outbox catalog write)",
             )
         if name not in names:
             names.append(name)

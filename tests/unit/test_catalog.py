@@ -81,3 +81,11 @@ def test_build_from_specs() -> None:
     catalog = Catalog.build([TaskSpec("a", queue="bulk")], {"e": ["a"]})
     assert catalog.task("a").queue == "bulk"
     assert catalog.subscribers("e") == ("a",)
+
+
+def test_a_bad_name_is_explained_in_words_not_as_a_regular_expression() -> None:
+    """Trial finding: ``@task(name="bad name")`` showed the schema's raw pattern."""
+    with pytest.raises(errors.CatalogError) as caught:
+        Catalog.from_dict({"version": 1, "tasks": {"bad name": {"queue": "default", "scope": "tenant"}}})
+    assert "'bad name' is not a valid name (1..200 letters, digits, _ . : -)" in str(caught.value)
+    assert "A-Za-z" not in str(caught.value)
