@@ -215,6 +215,7 @@ _SKIPPED = {
     runs.ClaimStatus.MISMATCH: "envelope-mismatch",
     runs.ClaimStatus.SUCCEEDED: "already-succeeded",
     runs.ClaimStatus.FAILED: "already-failed",
+    runs.ClaimStatus.CANCELLED: "cancelled",
     runs.ClaimStatus.LEASED: "leased",
     runs.ClaimStatus.NOT_DUE: "not-due",
 }
