@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_outbox import Cancel, ControlOutcome, Dispatch, Reschedule
 from sqla_outbox.config import OutboxSettings
-from tests.support import effects, receive_all, run_row, start_relay, status_of, trail, wait_for
+from tests.support import effects, receive_all, start_relay, status_of, trail, wait_for
 
 pytestmark = pytest.mark.e2e
 
