@@ -10,6 +10,8 @@ serialises with the worker's transitions and the relay's claim:
   ``sent_at IS NULL`` on the new row version (READ COMMITTED), which fails: the row stays,
   the run still becomes ``cancelled``, and the worker that receives the message
   acknowledges it without calling the handler.
+* Each affected run gets a trail row whose ``worker_id`` is the control's ``by`` (who or
+  what asked, as operator actions record it) and whose ``detail`` says what happened.
 * The worker's ``running → succeeded|retrying|failed|queued`` updates are guarded by
   ``cancel_requested_at IS NULL``: whichever of the cancel and the worker's transition
   commits first wins, and the other sees it.
@@ -72,6 +74,7 @@ _BINDS = (
     bindparam("key", type_=Text),
     bindparam("task", type_=Text),
     bindparam("detail", type_=Text),
+    bindparam("by", type_=Text),
 )
 
 
@@ -114,7 +117,7 @@ asked AS (
 trail AS (
     INSERT INTO task_run_trail (run_id, status, attempt, worker_id, detail)
     SELECT t.run_id, CASE WHEN t.status = 'running' THEN 'running' ELSE 'cancelled' END,
-           t.attempts, NULL,
+           t.attempts, :by,
            CAST(:detail AS jsonb) || jsonb_build_object(
                'from', t.status,
                'cancel', CASE WHEN t.status = 'running' THEN 'requested' ELSE 'done' END,
@@ -156,8 +159,8 @@ runs AS (
     RETURNING r.run_id
 ),
 trail AS (
-    INSERT INTO task_run_trail (run_id, status, attempt, detail)
-    SELECT t.run_id, t.status, t.attempts,
+    INSERT INTO task_run_trail (run_id, status, attempt, worker_id, detail)
+    SELECT t.run_id, t.status, t.attempts, :by,
            CAST(:detail AS jsonb) || jsonb_build_object('available_at', m.available_at)
     FROM target AS t JOIN moved AS m USING (run_id)
 ){wake}
@@ -198,6 +201,7 @@ def _params(control: Control, detail: dict[str, Any]) -> dict[str, Any]:
         "key": s.idempotency_key,
         "task": s.task,
         "detail": json.dumps(detail),
+        "by": control.by,
     }
 
 

@@ -48,8 +48,10 @@ RUN_KEYS = {
     "last_error_type",
     "last_error",
     "dead_lettered_at",
+    "cancel_requested_at",
     "age_seconds",
     "parked",
+    "result",
 }
 LETTER_KEYS = {
     "queue",
