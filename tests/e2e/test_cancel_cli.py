@@ -9,10 +9,16 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.e2e.test_ops_cli import cli, cli_json, dispatch, env, execute  # noqa: F401 (fixture)
-from tests.support import outbox_rows, run_row, trail
+from sqla_outbox.config import OutboxSettings
+from tests.e2e.test_ops_cli import cli, cli_json, dispatch, execute
+from tests.support import outbox_rows, run_row, service_env, trail
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def env(settings: OutboxSettings, sqs_endpoint: str) -> dict[str, str]:
+    return service_env(settings, sqs_endpoint)
 
 
 def test_runs_cancel_dry_run_filters_json_and_trail(
