@@ -321,6 +321,7 @@ class Pages:
             values=query.values,
             rows=rows,
             error=None,
+            list_actions=self.dashboard.actions.in_place("runs"),
             newer=None if newer is None else runs.RunCursor(newer.created_at, newer.run_id).encode(),
             older=None if older is None else runs.RunCursor(older.created_at, older.run_id).encode(),
         )
