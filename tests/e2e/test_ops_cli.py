@@ -175,6 +175,7 @@ def test_status_prints_tables_and_a_json_document(
         "retrying": 0,
         "succeeded": 0,
         "failed": 0,
+        "cancelled": 0,
     }
     assert (document["stale_after_seconds"], document["stale_running_count"]) == (900.0, 1)
     assert document["stale_running"][0]["run_id"] == str(stuck)
