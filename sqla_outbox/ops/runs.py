@@ -57,9 +57,9 @@ class RunRecord:
     last_error_type: str | None
     last_error: str | None
     dead_lettered_at: dt.datetime | None
-    cancel_requested_at: dt.datetime | None
     age_seconds: float
     parked: bool
+    cancel_requested_at: dt.datetime | None = None
     result: Any = None
 
 

@@ -6,6 +6,7 @@ import asyncio
 import datetime as dt
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -296,3 +297,86 @@ def test_async_session_cancel(
     assert asyncio.run(main()) is ControlOutcome.CANCELLED
     assert run_row(engine, run_id).status == "cancelled"
     assert outbox_rows(engine) == []
+
+
+def test_a_cancel_pending_when_the_worker_died_ends_the_run_at_the_next_delivery(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    from sqla_outbox.worker import runs
+
+    run_id = dispatch(factory)
+    set_status(engine, run_id, "running", sent=True)
+    with factory() as session, session.begin():
+        session.add(Cancel(run_id))
+    live = None
+    with engine.begin() as connection:  # the lease is still held: the copy waits
+        connection.execute(
+            sa.text("UPDATE task_runs SET lease_expires_at = clock_timestamp() + interval '1 minute'")
+        )
+        live = runs.take_lease(
+            connection,
+            run_id=run_id,
+            task="send_welcome",
+            tenant_id=None,
+            worker_id="w2",
+            lease_seconds=30,
+            receive_count=2,
+        )
+    assert live.status is runs.ClaimStatus.LEASED
+    with engine.begin() as connection:  # the worker died: its lease expired
+        connection.execute(
+            sa.text("UPDATE task_runs SET lease_expires_at = clock_timestamp() - interval '1 s'")
+        )
+        claim = runs.take_lease(
+            connection,
+            run_id=run_id,
+            task="send_welcome",
+            tenant_id=None,
+            worker_id="w2",
+            lease_seconds=30,
+            receive_count=2,
+        )
+    assert claim.status is runs.ClaimStatus.CANCELLED
+    run = run_row(engine, run_id)
+    assert (run.status, run.attempts) == ("cancelled", 1)  # no new attempt was started
+    assert [t.status for t in trail(engine, run_id)] == ["running", "cancelled"]
+    assert trail(engine, run_id)[-1].detail == {"reason": "cancel-requested", "lease": "expired"}
+
+
+def test_a_cancelled_run_is_never_claimed(factory: sessionmaker[Session], engine: sa.Engine) -> None:
+    from sqla_outbox.worker import runs
+
+    run_id = dispatch(factory)
+    set_status(engine, run_id, "queued", sent=True)
+    with factory() as session, session.begin():
+        session.add(Cancel(run_id))
+    with engine.begin() as connection:
+        claim = runs.take_lease(
+            connection,
+            run_id=run_id,
+            task="send_welcome",
+            tenant_id=None,
+            worker_id="w1",
+            lease_seconds=30,
+            receive_count=1,
+        )
+    assert claim.status is runs.ClaimStatus.CANCELLED
+    assert run_row(engine, run_id).attempts == 0
+
+
+def test_reschedule_earlier_wakes_the_relay(
+    factory: sessionmaker[Session], valkey: Any, settings: OutboxSettings
+) -> None:
+    from tests.support import drain_wakes
+
+    run_id = dispatch(factory, delay=3600)
+    drain_wakes()
+    valkey.delete(settings.wake_key)
+    with factory() as session, session.begin():
+        session.add(Reschedule(run_id, delay=0))
+    drain_wakes()
+    assert valkey.llen(settings.wake_key) == 1
+    with factory() as session, session.begin():  # a cancel wakes nobody
+        session.add(Cancel(run_id))
+    drain_wakes()
+    assert valkey.llen(settings.wake_key) == 1

@@ -244,7 +244,7 @@ def test_run_page_shows_the_envelope_attempts_and_trail_and_hides_the_payload(
     assert "charge_card" in page and "order 7 has no lines" in page and "ValueError" in page
     assert re.findall(r'data-trail-status="(\w+)"', page) == ["running", "failed", "failed"]
     assert re.findall(r'<tr data-attempt="(\d+)"', page) == ["1"]
-    assert "Runs do not record a result in this version." in page
+    assert 'id="result-none"' in page and "No result recorded." in page
     assert missing.status_code == 404 and garbage.status_code == 404
 
     with serve(dashboard_show_payloads=True) as client:
