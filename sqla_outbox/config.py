@@ -273,7 +273,8 @@ class OutboxSettings:
     worker_cancel_check_seconds: float = _setting(
         2.0,
         "How often the worker looks for cancel requests of the runs it is executing (one "
-        "primary-key query per interval while it runs any). docs/cancellation.md.",
+        "primary-key query per interval while it runs any; the heartbeat ticks every second, "
+        "so shorter values act as 1 s). docs/cancellation.md.",
         unit="s",
     )
     result_max_bytes: int = _setting(

@@ -1,5 +1,10 @@
 """Session listeners: turn pending ``Dispatch``/``Publish`` objects into rows, wake after commit.
 
+``Cancel``/``Reschedule`` objects (:mod:`sqla_outbox.controls`) go the same way: checked
+at ``session.add``, taken out of the session at flush, applied as one statement each
+(:mod:`sqla_outbox.control_write`) after the flush's dispatches, in the order added. A
+reschedule that moved a row counts as a written row (the commit wakes the relay).
+
 :func:`install` attaches the listeners to a session class, ``sessionmaker``,
 ``scoped_session``, ``AsyncSession``/``async_sessionmaker`` or a single session. It is
 explicit (nothing happens at import) and idempotent: installing on the same target again
