@@ -259,6 +259,13 @@ class TaskRun(Base):
         Index("task_runs_created_at_idx", "created_at"),
         Index("task_runs_task_created_at_idx", "task", "created_at"),
         Index("task_runs_tenant_id_created_at_idx", "tenant_id", "created_at"),
+        # sqlaob_0007: Cancel/Reschedule by idempotency key, finished runs included
+        Index(
+            "task_runs_task_idempotency_key_idx",
+            "task",
+            "idempotency_key",
+            postgresql_where=text("idempotency_key IS NOT NULL"),
+        ),
     )
 
 

@@ -10,6 +10,8 @@ Create Date: 2026-11-30
   stop; the worker's heartbeat reads it (``docs/cancellation.md``).
 * ``task_runs.result``: the JSON value a handler returned, written with ``succeeded``
   (``docs/results.md``).
+* ``task_runs_task_idempotency_key_idx``: a cancel or reschedule by idempotency key finds
+  the key's run, finished or not (the unique indexes cover unfinished runs only).
 
 Literal names only, wrapped in ``op.f()``; never imports the models.
 """
@@ -47,9 +49,16 @@ def upgrade() -> None:
     op.drop_constraint(op.f("task_runs_status_check"), "task_runs", type_="check")
     op.create_check_constraint(op.f("task_runs_status_check"), "task_runs", f"status IN ({NEW_STATUSES})")
     _replace_finished_index("'succeeded', 'failed', 'cancelled'")
+    op.create_index(
+        op.f("task_runs_task_idempotency_key_idx"),
+        "task_runs",
+        ["task", "idempotency_key"],
+        postgresql_where=sa.text("idempotency_key IS NOT NULL"),
+    )
 
 
 def downgrade() -> None:
+    op.drop_index(op.f("task_runs_task_idempotency_key_idx"), table_name="task_runs")
     # runs cancelled under this revision have no status the older schema allows: they
     # are recorded as failed, with the cancellation kept as their last error
     op.execute(
