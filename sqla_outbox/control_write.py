@@ -11,7 +11,9 @@ serialises with the worker's transitions and the relay's claim:
   the run still becomes ``cancelled``, and the worker that receives the message
   acknowledges it without calling the handler.
 * Each affected run gets a trail row whose ``worker_id`` is the control's ``by`` (who or
-  what asked, as operator actions record it) and whose ``detail`` says what happened.
+  what asked, as operator actions record it) and whose ``detail`` says what happened. Its
+  ``attempt`` is the running attempt for a stop request, else NULL: like a requeue, a
+  cancel of a run that is not running belongs to no attempt.
 * The worker's ``running → succeeded|retrying|failed|queued`` updates are guarded by
   ``cancel_requested_at IS NULL``: whichever of the cancel and the worker's transition
   commits first wins, and the other sees it.
@@ -117,7 +119,7 @@ asked AS (
 trail AS (
     INSERT INTO task_run_trail (run_id, status, attempt, worker_id, detail)
     SELECT t.run_id, CASE WHEN t.status = 'running' THEN 'running' ELSE 'cancelled' END,
-           t.attempts, :by,
+           CASE WHEN t.status = 'running' THEN t.attempts END, :by,
            CAST(:detail AS jsonb) || jsonb_build_object(
                'from', t.status,
                'cancel', CASE WHEN t.status = 'running' THEN 'requested' ELSE 'done' END,
@@ -160,7 +162,7 @@ runs AS (
 ),
 trail AS (
     INSERT INTO task_run_trail (run_id, status, attempt, worker_id, detail)
-    SELECT t.run_id, t.status, t.attempts, :by,
+    SELECT t.run_id, t.status, NULL, :by,
            CAST(:detail AS jsonb) || jsonb_build_object('available_at', m.available_at)
     FROM target AS t JOIN moved AS m USING (run_id)
 ){wake}
