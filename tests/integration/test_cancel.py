@@ -380,3 +380,18 @@ def test_reschedule_earlier_wakes_the_relay(
         session.add(Cancel(run_id))
     drain_wakes()
     assert valkey.llen(settings.wake_key) == 1
+
+
+def test_a_rolled_back_savepoint_takes_its_cancel_with_it(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    kept, undone = dispatch(factory), dispatch(factory)
+    with factory() as session, session.begin():
+        session.add(Cancel(kept))
+        nested = session.begin_nested()
+        session.add(Cancel(undone))
+        session.flush()
+        nested.rollback()
+    assert run_row(engine, kept).status == "cancelled"
+    assert run_row(engine, undone).status == "queued"
+    assert [r.run_id for r in outbox_rows(engine)] == [undone]
