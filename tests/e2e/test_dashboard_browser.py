@@ -232,7 +232,7 @@ def test_an_operator_cancels_a_running_run_from_its_page(
         sign_in(page, base)
         page.goto(f"{base}/runs/{run_id}")
         assert page.get_attribute("h1 [data-status]", "data-status") == "running"
-        page.click('#run-actions button[data-action="runs-cancel"]')
+        page.click('button[data-action="runs-cancel"]')
         page.wait_for_selector("#preview-summary")
         assert "1 running run(s) would be asked to stop" in page.inner_text("#preview-summary")
         assert status_of(engine, run_id) == "running"  # the preview changed nothing
@@ -244,7 +244,7 @@ def test_an_operator_cancels_a_running_run_from_its_page(
         page.goto(f"{base}/runs/{run_id}")
         assert page.get_attribute("h1 [data-status]", "data-status") == "cancelled"
         assert page.locator('#trail [data-worker="dashboard:alice"]').count() == 1
-        assert page.locator('#run-actions button[data-action="runs-cancel"]').count() == 0
+        assert page.locator('button[data-action="runs-cancel"]').count() == 0
         screenshot(page, "run-cancelled")
     assert "saw-cancel" in marker.read_text()
     assert [t.status for t in trail(engine, run_id)] == ["running", "running", "cancelled"]
