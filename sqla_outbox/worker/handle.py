@@ -15,11 +15,12 @@
    (foreign or forged message) or a run of another task/tenant/queue → DLQ, never
    executed. A finished run → the copy is acknowledged and skipped (a failed run whose
    DLQ send was interrupted gets it completed). A cancelled run (``Cancel`` committed
-   after the relay sent it) → acknowledged, the handler never called. A live lease elsewhere → the copy is
-   hidden until that lease would expire; it runs only if the other worker vanished. A
-   run not due yet (``available_at`` ahead) → an early copy, hidden until the due time or,
-   when that is more than a minute away and the relay still holds the run's own message,
-   deleted (:func:`_early_copy`); the run's attempts are untouched.
+   after the relay sent it) → acknowledged, the handler never called. A live lease
+   elsewhere → the copy is hidden until that lease would expire; it runs only if the
+   other worker vanished. A run not due yet (``available_at`` ahead) → an early copy,
+   hidden until the due time or, when that is more than a minute away and the relay
+   still holds the run's own message, deleted (:func:`_early_copy`); the run's attempts
+   are untouched.
 5. **Check** the receive count (a message redelivered past ``max_receives`` without a
    verdict, e.g. after worker crashes, goes to the DLQ).
 6. **Run** the handler with its timeout, heartbeat running (see ``heartbeat.py``). The
@@ -300,9 +301,9 @@ async def _execute(
                     name=f"task-{env.task}",
                 )
                 await _until_stopped(_with_timeout(asyncio.shield(future), timeout), stop)
-    except _StopRequested:
+    except _StopRequested:  # record `cancelled` (mark_cancelled), delete the message
         ctx.cancel_event.set()
-        await _cancelled(runtime, flight, attempt)
+        await _reconcile_lost(runtime, flight)
         return
     except _TimedOut:
         ctx.cancel_event.set()
@@ -540,18 +541,6 @@ async def _early_copy(runtime: Runtime, flight: InFlight, due_in_seconds: float)
     hide = int(flight.hideable_seconds(max(1, math.ceil(due_in_seconds))))
     _log(logging.INFO, "run not due yet; message hidden until then", "worker.not_due", flight, hide_s=hide)
     await runtime.io(runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
-
-
-async def _cancelled(runtime: Runtime, flight: InFlight, attempt: runs.Attempt) -> None:
-    """A cancel was requested while the attempt ran: record ``cancelled``, delete the message."""
-    moved = await runtime.io(
-        runtime.in_transaction,
-        lambda conn: runs.mark_cancelled(conn, attempt, detail=_handler_detail(flight)),
-    )
-    if not moved:
-        await _reconcile_lost(runtime, flight)
-        return
-    _record_cancelled(runtime, flight)
 
 
 def _record_cancelled(runtime: Runtime, flight: InFlight) -> None:
