@@ -38,24 +38,32 @@ if TYPE_CHECKING:  # the other names are imported on first use (PEP 562), not at
     from sqla_outbox import errors
     from sqla_outbox.catalog import Catalog, TaskSpec
     from sqla_outbox.config import OutboxSettings
+    from sqla_outbox.controls import Cancel, ControlOutcome, Reschedule
     from sqla_outbox.events import Installation, install, installation_for, uninstall
     from sqla_outbox.models import metadata
+    from sqla_outbox.results import RunResult, get_result, get_result_async
     from sqla_outbox.types import JSONPayload, QueueName, RunStatus
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Cancel",
     "Catalog",
+    "ControlOutcome",
     "Dispatch",
     "Installation",
     "OutboxSettings",
     "Publish",
     "QueueName",
+    "Reschedule",
+    "RunResult",
     "RunStatus",
     "TaskSpec",
     "dispatch",
     "dispatch_async",
     "errors",
+    "get_result",
+    "get_result_async",
     "install",
     "installation_for",
     "metadata",
@@ -68,6 +76,12 @@ _EXPORTS = {
     "Catalog": "sqla_outbox.catalog",
     "TaskSpec": "sqla_outbox.catalog",
     "OutboxSettings": "sqla_outbox.config",
+    "Cancel": "sqla_outbox.controls",
+    "ControlOutcome": "sqla_outbox.controls",
+    "Reschedule": "sqla_outbox.controls",
+    "RunResult": "sqla_outbox.results",
+    "get_result": "sqla_outbox.results",
+    "get_result_async": "sqla_outbox.results",
     "Installation": "sqla_outbox.events",
     "install": "sqla_outbox.events",
     "installation_for": "sqla_outbox.events",

@@ -270,6 +270,19 @@ class OutboxSettings:
         aliases=("SQLA_OUTBOX_RELAY",),
     )
     worker_id: str | None = _setting(None, "Name recorded in the run trail. Default: `<hostname>:<pid>`.")
+    worker_cancel_check_seconds: float = _setting(
+        2.0,
+        "How often the worker looks for cancel requests of the runs it is executing (one "
+        "primary-key query per interval while it runs any; the heartbeat ticks every second, "
+        "so shorter values act as 1 s). docs/cancellation.md.",
+        unit="s",
+    )
+    result_max_bytes: int = _setting(
+        65_536,
+        "Largest handler result stored on the run, as UTF-8 JSON. A larger (or non-JSON) "
+        "result fails the run permanently (`result-too-large`). docs/results.md.",
+        unit="bytes",
+    )
     health_port: int | None = _setting(
         None,
         "Port of the HTTP probe (`/livez`, `/readyz`, `/metrics`) for relay and worker. "
@@ -318,12 +331,13 @@ class OutboxSettings:
     )
     dashboard_actions: bool = _setting(
         False,
-        "Enable the dashboard's actions (DLQ requeue; later pause, resume, cancel). Off: "
+        "Enable the dashboard's actions (DLQ requeue, cancel runs; later pause, resume). Off: "
         "read-only. Actions need an authenticated operator and a CSRF token.",
     )
     dashboard_show_payloads: bool = _setting(
         False,
-        "Show run payloads on the dashboard's run pages (hidden by default: they may hold personal data).",
+        "Show run payloads and handler results on the dashboard's run pages (hidden by default: "
+        "they may hold personal data).",
     )
     dashboard_refresh_seconds: float = _setting(
         5.0, "How often the dashboard's overview refreshes itself.", unit="s"
@@ -657,6 +671,12 @@ def _validate(s: OutboxSettings) -> None:
     )
     _check(s.worker_max_receives >= 1, "worker_max_receives", "must be >= 1")
     _check(s.worker_stop_budget_seconds >= 0, "worker_stop_budget_seconds", "must be >= 0")
+    _check(
+        0.1 <= s.worker_cancel_check_seconds <= 3600,
+        "worker_cancel_check_seconds",
+        "must be within 0.1..3600 s",
+    )
+    _check(1 <= s.result_max_bytes <= 16_777_216, "result_max_bytes", "must be within 1..16777216 bytes")
     _check(s.worker_backoff_base_seconds >= 0, "worker_backoff_base_seconds", "must be >= 0")
     _check(
         s.worker_backoff_base_seconds <= s.worker_backoff_max_seconds <= 43_200,

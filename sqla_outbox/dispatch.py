@@ -387,14 +387,22 @@ def _refuse_insert(*_args: Any, **_kwargs: Any) -> Any:
 
 _pending_metadata = MetaData()
 _registry = registry(metadata=_pending_metadata)
-for _cls in (Dispatch, Publish):
-    _table = Table(
-        f"sqla_outbox_never_created_{_cls.__name__.lower()}",
+
+
+def map_never_inserted(cls: type, refuse: Any) -> None:
+    """Map ``cls`` to a table that never exists, so ``Session.add`` accepts it; ``refuse``
+    raises if an INSERT of it is ever attempted (a session without the listeners)."""
+    table = Table(
+        f"sqla_outbox_never_created_{cls.__name__.lower()}",
         _pending_metadata,
-        Column("_sqla_outbox_slot", Integer, primary_key=True, default=_refuse_insert),
+        Column("_sqla_outbox_slot", Integer, primary_key=True, default=refuse),
     )
-    _registry.map_imperatively(_cls, _table)
-    event.listen(_cls, "before_insert", _refuse_insert)
+    _registry.map_imperatively(cls, table)
+    event.listen(cls, "before_insert", refuse)
+
+
+for _cls in (Dispatch, Publish):
+    map_never_inserted(_cls, _refuse_insert)
 
 
 def scheduled_types() -> tuple[type, ...]:

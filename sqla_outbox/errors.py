@@ -318,3 +318,74 @@ class WebhookFailed(OutboxError):
         self.reason = reason
         self.retry_after_seconds = retry_after_seconds
         super().__init__(f"{reason}: {message}")
+
+
+class InvalidControl(OutboxError):
+    """A ``Cancel`` or ``Reschedule`` names no run or has inconsistent options.
+
+    Raised at construction or ``session.add``; nothing was changed.
+
+    Attributes:
+        control: ``Cancel`` or ``Reschedule``.
+    """
+
+    code = "invalid-control"
+
+    def __init__(self, control: str, message: str) -> None:
+        self.control = control
+        super().__init__(f"{control}: {message}")
+
+
+class ResultNotSerializable(PermanentError):
+    """The handler returned a value that is not plain JSON; the run failed permanently.
+
+    Attributes:
+        task: The task whose handler returned it.
+    """
+
+    code = "result-not-serializable"
+
+    def __init__(self, task: str, detail: str) -> None:
+        self.task = task
+        super().__init__(
+            f"task {task!r} returned a value that is not plain JSON ({detail}); return a dict, "
+            "list, str, int, float (finite), bool or None"
+        )
+
+
+class ResultTooLarge(PermanentError):
+    """The handler's result is larger than ``result_max_bytes``; the run failed permanently.
+
+    Attributes:
+        task: The task whose handler returned it.
+        size_bytes: Size of the result as UTF-8 JSON. limit_bytes: ``result_max_bytes``.
+    """
+
+    code = "result-too-large"
+
+    def __init__(self, task: str, *, size_bytes: int, limit_bytes: int) -> None:
+        self.task = task
+        self.size_bytes = size_bytes
+        self.limit_bytes = limit_bytes
+        super().__init__(
+            f"task {task!r} returned a result of {size_bytes} bytes of JSON, over the "
+            f"{limit_bytes}-byte limit (setting result_max_bytes); store large outputs "
+            "elsewhere and return a reference"
+        )
+
+
+class ResultTimeout(OutboxError, TimeoutError):
+    """The run did not finish within the wait given to ``results.get_result``.
+
+    Attributes:
+        run_id: The run waited for. status: Its status when the wait ended.
+        waited_seconds: How long the call waited.
+    """
+
+    code = "result-timeout"
+
+    def __init__(self, run_id: uuid.UUID, *, status: str, waited_seconds: float) -> None:
+        self.run_id = run_id
+        self.status = status
+        self.waited_seconds = waited_seconds
+        OutboxError.__init__(self, f"run {run_id} is still {status} after waiting {waited_seconds:.3g} s")

@@ -1,5 +1,10 @@
 """Session listeners: turn pending ``Dispatch``/``Publish`` objects into rows, wake after commit.
 
+``Cancel``/``Reschedule`` objects (:mod:`sqla_outbox.controls`) go the same way: checked
+at ``session.add``, taken out of the session at flush, applied as one statement each
+(:mod:`sqla_outbox.control_write`) after the flush's dispatches, in the order added. A
+reschedule that moved a row counts as a written row (the commit wakes the relay).
+
 :func:`install` attaches the listeners to a session class, ``sessionmaker``,
 ``scoped_session``, ``AsyncSession``/``async_sessionmaker`` or a single session. It is
 explicit (nothing happens at import) and idempotent: installing on the same target again
@@ -53,12 +58,15 @@ import weakref
 from typing import Any
 
 from sqlalchemy import event
+from sqlalchemy import inspect as _instance_state
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 from sqlalchemy.orm.session import SessionTransaction
 
 from sqla_outbox import errors
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
+from sqla_outbox.control_write import apply_controls
+from sqla_outbox.controls import Control
 from sqla_outbox.dispatch import Dispatch, Prepared, Publish
 from sqla_outbox.logging import log_extra
 from sqla_outbox.wakeup import Waker
@@ -84,6 +92,7 @@ class _SessionState:
     """Per-session bookkeeping kept in ``session.info``."""
 
     deferred: list[Prepared] = dataclasses.field(default_factory=list)
+    controls: list[Control] = dataclasses.field(default_factory=list)
     written: dict[SessionTransaction, int] = dataclasses.field(default_factory=dict)
     released: set[SessionTransaction] = dataclasses.field(default_factory=set)
 
@@ -130,6 +139,11 @@ class Installation:
             instance._prepared = instance.prepare(
                 self.catalog, max_message_bytes=self.settings.max_message_bytes
             )
+        elif isinstance(instance, Control):
+            if "selection" not in vars(instance):
+                kind = type(instance).__name__
+                raise TypeError(f"session.merge() of a {kind} is not supported: add it with session.add()")
+            instance.check(self.catalog)
 
     def _after_attach(self, session: Session, instance: object) -> None:
         # A Dispatch added while the session flushes (the application's own before_flush
@@ -140,15 +154,21 @@ class Installation:
             session.expunge(instance)
             assert instance._prepared is not None
             _state(session).deferred.extend(instance._prepared)
+        elif isinstance(instance, Control) and getattr(session, "_flushing", False):
+            session.expunge(instance)
+            _state(session).controls.append(instance)
 
     def _before_flush(self, session: Session, flush_context: Any, instances: Any) -> None:
-        scheduled = [obj for obj in session.new if isinstance(obj, (Dispatch, Publish))]
+        scheduled = [obj for obj in session.new if isinstance(obj, (Dispatch, Publish, Control))]
         known = session.info.get(_STATE_KEY)
-        if not scheduled and (known is None or not known.deferred):
+        if not scheduled and (known is None or not (known.deferred or known.controls)):
             return
         state = _state(session)
-        for obj in scheduled:
+        for obj in _in_add_order(session, scheduled):
             session.expunge(obj)
+            if isinstance(obj, Control):
+                state.controls.append(obj)
+                continue
             if obj._prepared is None:  # added before the listeners existed
                 self._before_attach(session, obj)
             assert obj._prepared is not None
@@ -159,7 +179,7 @@ class Installation:
 
     def _after_flush(self, session: Session, flush_context: Any) -> None:
         state = session.info.get(_STATE_KEY)
-        if state is not None and state.deferred:
+        if state is not None and (state.deferred or state.controls):
             self._write_deferred(session, state)
 
     def _before_commit(self, session: Session) -> None:
@@ -188,6 +208,7 @@ class Installation:
             state.written.clear()
             state.released.clear()
             state.deferred.clear()
+            state.controls.clear()
             return
         if not transaction.nested:
             return
@@ -202,12 +223,16 @@ class Installation:
         state = session.info.get(_STATE_KEY)
         if state is not None:
             state.deferred.clear()
+            state.controls.clear()
 
     # --- helpers -------------------------------------------------------------------------
     def _write_deferred(self, session: Session, state: _SessionState) -> None:
         runs, state.deferred = state.deferred, []
+        controls, state.controls = state.controls, []
         connection = session.connection()
-        written = write_runs(connection, runs, notify=self.settings.wake_notify)
+        written = write_runs(connection, runs, notify=self.settings.wake_notify) if runs else 0
+        if controls:  # after the dispatches of the same flush, in the order added
+            written += apply_controls(connection, controls, notify=self.settings.wake_notify)
         owner = session.get_nested_transaction() or session.get_transaction()
         if owner is not None and written:
             state.written[owner] = state.written.get(owner, 0) + written
@@ -219,6 +244,11 @@ class Installation:
 
     def _wake(self) -> None:
         self.waker.wake()  # hands the LPUSH to the waker's thread; never blocks, never raises
+
+
+def _in_add_order(session: Session, objects: list[Any]) -> list[Any]:
+    """``objects`` in the order they were added (``session.new`` is a set-like view)."""
+    return sorted(objects, key=lambda obj: getattr(_instance_state(obj), "insert_order", 0) or 0)
 
 
 def _owning_transaction(transaction: SessionTransaction | None) -> SessionTransaction | None:

@@ -136,7 +136,7 @@ _RUN_FILTER = """
 
 def _run_category(status: str) -> _Category:
     # the status is a literal so the planner can use task_runs_finished_idx (partial
-    # index WHERE status IN ('succeeded', 'failed'))
+    # index WHERE status IN ('succeeded', 'failed', 'cancelled'))
     where = _RUN_FILTER.format(status=status)
     delete = text(
         f"""
@@ -176,6 +176,8 @@ _CATEGORIES = (
     (_outbox_category("platform_outbox_messages"), "sent"),
     (_run_category("succeeded"), "succeeded"),
     (_run_category("failed"), "failed"),
+    # cancelled runs go on the succeeded runs' schedule: nothing is left to look into
+    (_run_category("cancelled"), "succeeded"),
 )
 
 
@@ -184,8 +186,8 @@ class PurgeCount:
     """What the purge deleted (or, with ``dry_run``, would delete) in one category.
 
     Attributes:
-        category: ``outbox_messages``, ``platform_outbox_messages``, ``succeeded_runs``
-            or ``failed_runs``.
+        category: ``outbox_messages``, ``platform_outbox_messages``, ``succeeded_runs``,
+            ``failed_runs`` or ``cancelled_runs`` (purged after ``purge_succeeded_after_days``).
         table: The table rows are deleted from.
         cutoff: Rows older than this (``sent_at`` for outbox rows, ``finished_at`` for
             runs; database clock, UTC) are deleted.

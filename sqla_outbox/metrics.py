@@ -65,7 +65,7 @@ WAKE_LISTENER_ERRORS = Counter(
 # --- worker ------------------------------------------------------------------------------
 RUNS_FINISHED = Counter(
     "sqla_outbox_worker_runs_finished",
-    "Attempts finished, by task and resulting status (succeeded, retrying, failed, queued).",
+    "Attempts finished, by task and resulting status (succeeded, retrying, failed, queued, cancelled).",
     ["task", "status"],
 )
 HANDLER_SECONDS = Histogram(

@@ -44,7 +44,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES, UNFINISHED_STATUSES
+from sqla_outbox.types import FINISHED_STATUSES, QUEUE_NAMES, RUN_STATUSES, UNFINISHED_STATUSES
 
 NAMING_CONVENTION = {
     "ix": "%(table_name)s_%(column_0_N_name)s_idx",
@@ -60,6 +60,7 @@ metadata = MetaData(naming_convention=NAMING_CONVENTION)
 _QUEUE_LIST = ", ".join(f"'{q}'" for q in QUEUE_NAMES)
 _STATUS_LIST = ", ".join(f"'{s}'" for s in RUN_STATUSES)
 _UNFINISHED_LIST = ", ".join(f"'{s}'" for s in UNFINISHED_STATUSES)
+_FINISHED_LIST = ", ".join(f"'{s}'" for s in FINISHED_STATUSES)
 TIMESTAMPTZ = DateTime(timezone=True)
 CLOCK = text("clock_timestamp()")
 
@@ -178,8 +179,9 @@ class TaskRun(Base):
         task: Task name. event: Published event it subscribes to, or NULL.
         queue: Logical queue. tenant_id: Tenant, NULL for platform work (no foreign key:
             history outlives tenants until purged).
-        status: queued → running → succeeded | retrying → … → failed. Written at dispatch
-            (queued) and by the worker.
+        status: queued → running → succeeded | retrying → … → failed; or cancelled (a
+            committed ``Cancel``). Written at dispatch (queued), by the worker, and by a
+            cancel (``sqla_outbox.controls``).
         idempotency_key: Caller key; at most one unfinished run per task + tenant + key
             (partial unique indexes ``task_runs_idempotency_*_key``).
         attempts: Handler executions started (the worker increments it when it takes the
@@ -191,6 +193,13 @@ class TaskRun(Base):
             only after it expires.
         last_error_type / last_error: The most recent failure (type name, message).
         dead_lettered_at: When the worker sent the run's message to the DLQ.
+        cancel_requested_at: When a committed ``Cancel`` asked the running run to stop
+            (database clock); the worker's heartbeat reads it and the attempt ends
+            ``cancelled``. NULL otherwise. Written by ``sqla_outbox.control_write``.
+        result: The JSON value the handler returned, written by the worker in the
+            transaction that marks the run ``succeeded`` (at most ``result_max_bytes``
+            bytes of JSON); NULL when it returned None or did not succeed
+            (``sqla_outbox.results``).
     """
 
     __tablename__ = "task_runs"
@@ -213,6 +222,9 @@ class TaskRun(Base):
     last_error_type: Mapped[str | None] = mapped_column(Text)
     last_error: Mapped[str | None] = mapped_column(Text)
     dead_lettered_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
+    # sqlaob_0007: cancel requests and handler results
+    cancel_requested_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
+    result: Mapped[Any | None] = mapped_column(JSONB)
 
     __table_args__ = (
         CheckConstraint("attempts >= 0", name="attempts"),
@@ -240,13 +252,20 @@ class TaskRun(Base):
         Index(
             "task_runs_finished_idx",
             "finished_at",
-            postgresql_where=text("status IN ('succeeded', 'failed')"),
+            postgresql_where=text(f"status IN ({_FINISHED_LIST})"),
         ),
         Index("task_runs_status_idx", "status", "updated_at"),
         # sqlaob_0003: run lists newest first (dashboard, runs list), filtered by task or tenant
         Index("task_runs_created_at_idx", "created_at"),
         Index("task_runs_task_created_at_idx", "task", "created_at"),
         Index("task_runs_tenant_id_created_at_idx", "tenant_id", "created_at"),
+        # sqlaob_0007: Cancel/Reschedule by idempotency key, finished runs included
+        Index(
+            "task_runs_task_idempotency_key_idx",
+            "task",
+            "idempotency_key",
+            postgresql_where=text("idempotency_key IS NOT NULL"),
+        ),
     )
 
 

@@ -67,6 +67,8 @@ class RunStatus(enum.StrEnum):
 
     ``queued`` (at dispatch) → ``running`` → ``succeeded``; or ``running`` → ``retrying`` →
     ``running`` … → ``failed``. A run returned on worker shutdown goes back to ``queued``.
+    ``cancelled``: a committed :class:`~sqla_outbox.controls.Cancel` ended it before it
+    finished (``docs/cancellation.md``).
     """
 
     QUEUED = "queued"
@@ -74,11 +76,12 @@ class RunStatus(enum.StrEnum):
     RETRYING = "retrying"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 RUN_STATUSES: tuple[str, ...] = tuple(s.value for s in RunStatus)
 UNFINISHED_STATUSES: tuple[str, ...] = ("queued", "running", "retrying")
-FINISHED_STATUSES: tuple[str, ...] = ("succeeded", "failed")
+FINISHED_STATUSES: tuple[str, ...] = ("succeeded", "failed", "cancelled")
 
 WAKE_CHANNEL = "sqla_outbox_wake"
 """PostgreSQL ``LISTEN``/``NOTIFY`` channel of the PostgreSQL wake. Notifications reach only

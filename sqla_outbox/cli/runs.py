@@ -1,14 +1,17 @@
-"""``python -m sqla_outbox runs show|list``: runs and their trail."""
+"""``python -m sqla_outbox runs show|list|cancel``: runs and their trail; cancel runs."""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
+import sys
 import uuid
 from typing import Any
 
 import click
 
 from sqla_outbox.cli.options import (
+    EXIT_CHECK_FAILED,
     QUEUE_CHOICE,
     common_options,
     duration,
@@ -19,9 +22,9 @@ from sqla_outbox.cli.options import (
     setup_logging,
     tenant,
 )
-from sqla_outbox.cli.terminal import console, grid, jsonable, print_json, table, text, when
+from sqla_outbox.cli.terminal import console, grid, jsonable, print_json, styled, table, text, when
 from sqla_outbox.ops.durations import format_age
-from sqla_outbox.types import RUN_STATUSES
+from sqla_outbox.types import RUN_STATUSES, UNFINISHED_STATUSES
 
 
 @click.group("runs")
@@ -84,6 +87,8 @@ def _render_run(detail: Any, with_tracebacks: bool) -> None:
             f"{text(run.lease_owner)} until {when(run.lease_expires_at)}" if run.lease_owner else "-",
         ),
         ("last error", f"{run.last_error_type}: {run.last_error}" if run.last_error_type else "-"),
+        ("cancel requested", when(run.cancel_requested_at)),
+        ("result", "-" if run.result is None else text(_shortened(json.dumps(run.result)))),
     ]
     for key, value in rows:
         shown_run.add_row(key, value)
@@ -109,6 +114,16 @@ def _render_run(detail: Any, with_tracebacks: bool) -> None:
             if t.traceback:
                 out.rule(f"traceback, attempt {text(t.attempt)} ({when(t.at)})")
                 out.print(t.traceback, markup=False, highlight=False)
+
+
+RESULT_SHOWN_CHARS = 2000
+"""``runs show`` prints at most this much of a result (``--json`` prints all of it)."""
+
+
+def _shortened(value: str) -> str:
+    if len(value) <= RESULT_SHOWN_CHARS:
+        return value
+    return f"{value[:RESULT_SHOWN_CHARS]}… ({len(value)} characters; --json shows all)"
 
 
 @runs_group.command("list")
@@ -199,3 +214,109 @@ def runs_list_command(
                 text(r.last_error_type),
             )
         console().print(shown)
+
+
+@runs_group.command("cancel")
+@common_options
+@click.option("--run-id", "run_ids", multiple=True, type=click.UUID, help="This run (repeatable).")
+@click.option("--task", help="Runs of this task (with --idempotency-key: the keyed run's task).")
+@click.option(
+    "--tenant",
+    "tenant_id",
+    callback=tenant,
+    metavar="ID|platform",
+    help="Runs of this tenant; with --idempotency-key, the key's tenant ('platform' or absent: none).",
+)
+@click.option("--idempotency-key", help="The run dispatched with this key (needs --task).")
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    type=click.Choice(UNFINISHED_STATUSES),
+    help="With --task/--tenant: only runs in this status (repeatable; default all unfinished).",
+)
+@click.option("--reason", help="Free text recorded in each run's trail (at most 200 characters).")
+@click.option("--dry-run", is_flag=True, help="Run the cancel and roll it back: report, change nothing.")
+@json_option
+def runs_cancel_command(
+    verbose: int,
+    log_format: str,
+    traceback: bool,
+    run_ids: tuple[uuid.UUID, ...],
+    task: str | None,
+    tenant_id: int | str | None,
+    idempotency_key: str | None,
+    statuses: tuple[str, ...],
+    reason: str | None,
+    dry_run: bool,
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """Cancel runs: queued and retrying runs never run (an unsent message is never sent),
+    running runs are asked to stop and end cancelled, finished runs are left alone.
+
+    Choose runs with --run-id, with --task and --idempotency-key (and --tenant), or with
+    --task and/or --tenant (every unfinished run of them, narrowed by --status). The
+    trail records who cancelled (operator:<user>@<host>). Exit code 1 when a --run-id or
+    key names no run. docs/cancellation.md.
+    """
+    setup_logging(verbose, log_format)
+    if not (run_ids or task or tenant_id is not None):
+        raise click.UsageError("give --run-id, --task (with or without --idempotency-key) or --tenant")
+    if tenant_id == "platform" and idempotency_key is None:
+        raise click.UsageError(
+            "--tenant platform only goes with --idempotency-key; filter platform runs by --task"
+        )
+    with handle_errors(traceback):
+        from sqla_outbox.cli.options import outbox_engine
+        from sqla_outbox.ops import cancel
+
+        settings = load_settings(**options)
+        with outbox_engine(settings) as engine:
+            report = cancel.cancel_runs(
+                engine,
+                run_ids=run_ids,
+                task=task,
+                tenant_id=tenant_id if isinstance(tenant_id, int) else None,
+                idempotency_key=idempotency_key,
+                statuses=statuses or None,
+                reason=reason,
+                dry_run=dry_run,
+            )
+        if as_json:
+            print_json(jsonable(report))
+        else:
+            _render_cancel(report)
+        if any(r.outcome.value == "not_found" for r in report.results) or (
+            idempotency_key is not None and not report.results
+        ):
+            sys.exit(EXIT_CHECK_FAILED)
+
+
+def _render_cancel(report: Any) -> None:
+    out = console()
+    shown = table(
+        f"Cancel{' (dry run: nothing changed)' if report.dry_run else ''}",
+        ("run_id", "task", "tenant", "was", "outcome", "message sent"),
+    )
+    for r in report.results:
+        outcome = r.outcome.value
+        shown.add_row(
+            text(r.run_id),
+            text(r.task),
+            text(r.tenant_id),
+            text(r.previous_status),
+            outcome if outcome in ("cancelled", "stop_requested") else styled(outcome, "yellow"),
+            ("yes: the worker acknowledges it unrun" if r.was_sent else "no")
+            if outcome == "cancelled"
+            else "-",
+        )
+    out.print(shown)
+    verb = "would be" if report.dry_run else "were"
+    counts = {
+        o: sum(1 for r in report.results if r.outcome.value == o) for o in ("cancelled", "stop_requested")
+    }
+    out.print(
+        f"{counts['cancelled']} run(s) {verb} cancelled, {counts['stop_requested']} running run(s) "
+        f"{verb} asked to stop; by {text(report.by)}"
+    )

@@ -1,7 +1,7 @@
-"""The dashboard's action framework, and the actions that exist today (DLQ requeue).
+"""The dashboard's action framework, and the actions that exist today (DLQ requeue, cancel).
 
-An **action** changes something: requeue dead-lettered runs today; pause and resume a
-task or queue, reset a circuit breaker, release a throttled tenant or cancel a run when
+An **action** changes something: requeue dead-lettered runs and cancel runs today; pause
+and resume a task or queue, reset a circuit breaker, release a throttled tenant when
 those capabilities exist. Every action goes through the same steps, enforced by the
 application (:mod:`sqla_outbox.dashboard.app`), never by the action itself:
 
@@ -18,7 +18,8 @@ application (:mod:`sqla_outbox.dashboard.app`), never by the action itself:
    ``dashboard.action`` line (action, operator, summary).
 
 Where actions appear: :attr:`Action.places` names the pages that offer it (``dlq``,
-``run`` for a run page's buttons, ``controls`` for the Controls page), and
+``run`` for a run page's buttons, ``runs`` for the filtered run list, ``controls`` for
+the Controls page), and
 :meth:`Action.applies_to_run` says whether a run page offers it for that run.
 ``docs/dashboard.md`` ("Adding a control") shows a new action end to end.
 """
@@ -34,15 +35,17 @@ from typing import Any, ClassVar
 
 from sqlalchemy.engine import Engine
 
+from sqla_outbox import errors
 from sqla_outbox.config import OutboxSettings
+from sqla_outbox.controls import ControlOutcome
 from sqla_outbox.dashboard.auth import Identity
-from sqla_outbox.ops import dlq, requeue
+from sqla_outbox.ops import cancel, dlq, requeue
 from sqla_outbox.ops.durations import parse_duration
 from sqla_outbox.ops.runs import RunRecord
-from sqla_outbox.types import QUEUE_NAMES
+from sqla_outbox.types import QUEUE_NAMES, UNFINISHED_STATUSES
 from sqla_outbox.wakeup import Waker
 
-PLACES = frozenset({"dlq", "run", "controls"})
+PLACES = frozenset({"dlq", "run", "runs", "controls"})
 
 Form = Mapping[str, Sequence[str]]
 """A submitted form: every field's values, in order (a field may repeat)."""
@@ -309,6 +312,123 @@ class DlqRequeue(Action):
         )
 
 
+# --- cancel runs ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CancelParams:
+    """Which runs to cancel: run ids, or a task and/or tenant filter narrowed by statuses."""
+
+    run_ids: tuple[uuid.UUID, ...] = ()
+    task: str | None = None
+    tenant_id: int | None = None
+    statuses: tuple[str, ...] = ()
+
+
+class RunsCancel(Action):
+    """Cancel runs: :func:`sqla_outbox.ops.cancel.cancel_runs`, the same statement as
+    ``session.add(Cancel(...))`` and ``python -m sqla_outbox runs cancel``. The preview is
+    its dry run (executed and rolled back); the trail records ``dashboard:<operator>``."""
+
+    name = "runs-cancel"
+    title = "Cancel"
+    description = (
+        "Queued and retrying runs never run (an unsent message is never sent); running runs are "
+        "asked to stop and end cancelled; finished runs are left alone."
+    )
+    places = frozenset({"run", "runs"})
+    confirm_label = "Cancel the runs"
+
+    def applies_to_run(self, run: RunRecord) -> bool:
+        return run.status in UNFINISHED_STATUSES
+
+    def parse(self, form: Form) -> CancelParams:
+        run_ids: list[uuid.UUID] = []
+        for value in _values(form, "run_id"):
+            try:
+                run_ids.append(uuid.UUID(value))
+            except ValueError:
+                raise ActionInputError(f"{value!r} is not a run id", field="run_id") from None
+        tasks = _values(form, "task")
+        if len(tasks) > 1 or any(len(task) > 200 for task in tasks):
+            raise ActionInputError("one task name of at most 200 characters", field="task")
+        tenant_id = None
+        tenants = _values(form, "tenant")
+        if tenants:
+            try:
+                tenant_id = int(tenants[-1], 10)
+            except ValueError:
+                raise ActionInputError(
+                    f"tenant: {tenants[-1]!r} is not a tenant id (platform runs: filter by task)",
+                    field="tenant",
+                ) from None
+        statuses = _values(form, "status")
+        for status in statuses:
+            if status not in UNFINISHED_STATUSES:
+                raise ActionInputError(
+                    f"status {status!r}: only unfinished runs "
+                    f"({', '.join(UNFINISHED_STATUSES)}) can be cancelled",
+                    field="status",
+                )
+        if run_ids and (tasks or tenant_id is not None):
+            raise ActionInputError("choose runs by id, or by task and tenant, not both")
+        if not (run_ids or tasks or tenant_id is not None):
+            raise ActionInputError("choose the runs: a run id, a task or a tenant")
+        return CancelParams(
+            run_ids=tuple(run_ids),
+            task=tasks[0] if tasks else None,
+            tenant_id=tenant_id,
+            statuses=tuple(statuses),
+        )
+
+    def preview(self, context: ActionContext, params: CancelParams) -> ActionReport:
+        return self._report(self._cancel(context, params, dry_run=True))
+
+    def perform(self, context: ActionContext, params: CancelParams) -> ActionReport:
+        return self._report(self._cancel(context, params, dry_run=False))
+
+    @staticmethod
+    def _cancel(context: ActionContext, params: CancelParams, *, dry_run: bool) -> cancel.CancelReport:
+        try:
+            return cancel.cancel_runs(
+                context.engine,
+                run_ids=params.run_ids,
+                task=params.task,
+                tenant_id=params.tenant_id,
+                statuses=params.statuses or None,
+                by=context.identity.actor,
+                dry_run=dry_run,
+            )
+        except errors.InvalidControl as exc:
+            raise ActionInputError(str(exc)) from None
+
+    @staticmethod
+    def _report(report: cancel.CancelReport) -> ActionReport:
+        done, asked = report.count(ControlOutcome.CANCELLED), report.count(ControlOutcome.STOP_REQUESTED)
+        verb = "would be" if report.dry_run else "were"
+        summary = f"{done} run(s) {verb} cancelled, {asked} running run(s) {verb} asked to stop"
+        left = len(report.results) - done - asked
+        if left:
+            summary += f"; {left} left alone (finished or not found)"
+        if not report.results:
+            summary = "no unfinished run matches"
+        rows = [
+            (
+                Cell(str(r.run_id) if r.run_id else "-", r.run_id),
+                Cell(r.task or "-"),
+                Cell("-" if r.tenant_id is None else str(r.tenant_id)),
+                Cell(r.previous_status or "-"),
+                Cell(r.outcome.value),
+                Cell(("yes" if r.was_sent else "no") if r.outcome is ControlOutcome.CANCELLED else "-"),
+            )
+            for r in report.results
+        ]
+        return ActionReport(
+            summary=summary,
+            columns=("run", "task", "tenant", "was", "outcome", "message sent"),
+            rows=rows,
+            changed=0 if report.dry_run else done + asked,
+        )
+
+
 def default_actions() -> ActionRegistry:
-    """The actions that exist today: :class:`DlqRequeue`."""
-    return ActionRegistry([DlqRequeue()])
+    """The actions that exist today: :class:`DlqRequeue` and :class:`RunsCancel`."""
+    return ActionRegistry([DlqRequeue(), RunsCancel()])

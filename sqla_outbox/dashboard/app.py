@@ -321,6 +321,7 @@ class Pages:
             values=query.values,
             rows=rows,
             error=None,
+            list_actions=self.dashboard.actions.in_place("runs"),
             newer=None if newer is None else runs.RunCursor(newer.created_at, newer.run_id).encode(),
             older=None if older is None else runs.RunCursor(older.created_at, older.run_id).encode(),
         )
@@ -342,7 +343,7 @@ class Pages:
         except errors.RunNotFound:
             raise HTTPException(404, f"no run {run_id}") from None
         envelope = outbox.envelope if outbox is not None else {}
-        result = getattr(detail.run, "result", None)
+        result = detail.run.result
         return self.render(
             request,
             "run.html",
@@ -354,7 +355,6 @@ class Pages:
             envelope=views.envelope_metadata(envelope),
             payload=views.payload_text(envelope) if self.settings.dashboard_show_payloads else None,
             result=None if result is None else views.pretty_json(result),
-            has_result_column=hasattr(detail.run, "result"),
             run_actions=self.dashboard.actions.for_run(detail.run),
         )
 

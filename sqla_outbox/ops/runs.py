@@ -1,4 +1,4 @@
-"""``python -m sqla_outbox runs show|list``: one run with its trail, or the runs matching filters.
+"""``python -m sqla_outbox runs show|list``: one run with its trail and result, or matching runs.
 
 Read-only. Ages and age filters use the database clock (``clock_timestamp()``), so a
 skewed operator laptop never shifts them. Age filters apply to ``created_at`` (when the
@@ -35,7 +35,9 @@ RunNotFound = errors.RunNotFound
 class RunRecord:
     """A ``task_runs`` row (see :class:`sqla_outbox.models.TaskRun` for each column),
     plus ``age_seconds``: database now minus ``created_at``, and ``parked``: its outbox row
-    is parked (SQS refused the message for good; ``python -m sqla_outbox outbox unpark``)."""
+    is parked (SQS refused the message for good; ``python -m sqla_outbox outbox unpark``).
+    ``result`` (the handler's JSON result) is read by :func:`get_run` only; lists leave it
+    None (a result may be up to ``result_max_bytes``)."""
 
     run_id: uuid.UUID
     task: str
@@ -57,6 +59,8 @@ class RunRecord:
     dead_lettered_at: dt.datetime | None
     age_seconds: float
     parked: bool
+    cancel_requested_at: dt.datetime | None = None
+    result: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +167,12 @@ _IS_PARKED = sa.or_(
 _PARKED = _IS_PARKED.label("parked")
 
 
+_LISTED = [column for column in task_runs.c if column.name != "result"]
+
+
 def _record(row: Any) -> RunRecord:
-    return RunRecord(**{f.name: getattr(row, f.name) for f in dataclasses.fields(RunRecord)})
+    values: dict[str, Any] = {f.name: getattr(row, f.name, None) for f in dataclasses.fields(RunRecord)}
+    return RunRecord(**values)
 
 
 def get_run(connection: Connection, run_id: uuid.UUID, *, with_traceback: bool = False) -> RunDetail:
@@ -214,7 +222,7 @@ def list_runs(connection: Connection, filters: RunFilter) -> list[RunRecord]:
         raise errors.ConfigurationError("must be >= 1", option="--limit")
     if filters.before is not None and filters.after is not None:
         raise errors.ConfigurationError("give one of before and after", option="cursor")
-    query = sa.select(task_runs, _AGE, _PARKED)
+    query = sa.select(*_LISTED, _AGE, _PARKED)
     if filters.parked is not None:
         query = query.where(_IS_PARKED if filters.parked else sa.not_(_IS_PARKED))
     if filters.tasks:

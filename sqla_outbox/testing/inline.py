@@ -215,6 +215,7 @@ _SKIPPED = {
     runs.ClaimStatus.MISMATCH: "envelope-mismatch",
     runs.ClaimStatus.SUCCEEDED: "already-succeeded",
     runs.ClaimStatus.FAILED: "already-failed",
+    runs.ClaimStatus.CANCELLED: "cancelled",
     runs.ClaimStatus.LEASED: "leased",
     runs.ClaimStatus.NOT_DUE: "not-due",
 }
@@ -456,6 +457,9 @@ class _InlineRunner:
                 else:
                     execute.run_sync(self.session_factory, definition, env.payload, ctx, attempt)
         except execute.LeaseLost:
+            with self.engine.begin() as connection:  # a committed Cancel asked the run to stop
+                if runs.mark_cancelled(connection, attempt):
+                    return "cancelled", None, None
             return self._status(env.run_id), None, None
         except errors.Retry as exc:
             return self._transient(

@@ -193,6 +193,8 @@ def defer_run(
         return _not(runs.ClaimStatus.MISMATCH, run)
     if run.status == "succeeded":
         return _not(runs.ClaimStatus.SUCCEEDED, run)
+    if run.status == "cancelled":
+        return _not(runs.ClaimStatus.CANCELLED, run)
     if run.status == "failed":
         return DeferResult(
             DeferStatus.NOT_DEFERRABLE,

@@ -19,12 +19,14 @@ from typing import Any
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
-from sqla_outbox import envelope, errors
+from sqla_outbox import envelope, errors, results
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
 from sqla_outbox.worker import runs
 from sqla_outbox.worker.context import TaskContext, bounded_detail
 from sqla_outbox.worker.registry import TaskDefinition
+
+_DEFAULT_RESULT_MAX_BYTES = int(OutboxSettings.__dataclass_fields__["result_max_bytes"].default)  # type: ignore[arg-type]
 
 
 class LeaseLost(Exception):
@@ -75,6 +77,16 @@ def span_attributes(env: envelope.Envelope, attempt: runs.Attempt, *, queue: str
     }
 
 
+def encoded_result(definition: TaskDefinition, value: object, ctx: TaskContext) -> str | None:
+    """The handler's return value as JSON text for ``task_runs.result`` (None for None).
+
+    Raises:
+        ResultNotSerializable, ResultTooLarge: Permanent errors (``sqla_outbox.results``).
+    """
+    limit = ctx.settings.result_max_bytes if ctx.settings is not None else _DEFAULT_RESULT_MAX_BYTES
+    return results.encode_result(definition.name, value, max_bytes=limit)
+
+
 def call(definition: TaskDefinition, payload: Any, ctx: TaskContext) -> Any:
     """Call the handler with ``(payload, ctx)`` or ``(payload)``, as it was declared."""
     return definition.handler(payload, ctx) if definition.takes_context else definition.handler(payload)
@@ -111,18 +123,22 @@ def run_sync(
     ctx: TaskContext,
     attempt: runs.Attempt,
 ) -> None:
-    """Run a sync handler in a new session; commit it with ``succeeded``.
+    """Run a sync handler in a new session; commit it with ``succeeded`` and its result.
 
     Raises:
         LeaseLost: The attempt was cancelled or lost the run; the session was rolled back.
+        ResultNotSerializable, ResultTooLarge: The handler's return value cannot be stored.
         Exception: Whatever the handler raised (the session is rolled back).
     """
     with session_factory() as session:
         ctx.session = session
         with _commit_refused(session, definition.name):
-            call(definition, payload, ctx)
+            value = call(definition, payload, ctx)
+        result = encoded_result(definition, value, ctx)
         detail = bounded_detail(ctx.trail_detail)
-        if ctx.cancelled or not runs.mark_succeeded(session.connection(), attempt, detail=detail):
+        if ctx.cancelled or not runs.mark_succeeded(
+            session.connection(), attempt, detail=detail, result=result
+        ):
             session.rollback()
             raise LeaseLost
         session.commit()
@@ -135,18 +151,22 @@ async def run_async(
     ctx: TaskContext,
     attempt: runs.Attempt,
 ) -> None:
-    """Run an async handler in a new ``AsyncSession``; commit it with ``succeeded``.
+    """Run an async handler in a new ``AsyncSession``; commit it with ``succeeded`` and its result.
 
     Raises:
         LeaseLost: The attempt lost the run; the session was rolled back.
+        ResultNotSerializable, ResultTooLarge: The handler's return value cannot be stored.
         Exception: Whatever the handler raised.
     """
     async with session_factory() as session:
         ctx.session = session
         with _commit_refused(session.sync_session, definition.name):
-            await call(definition, payload, ctx)
+            value = await call(definition, payload, ctx)
+        result = encoded_result(definition, value, ctx)
         detail = bounded_detail(ctx.trail_detail)
-        won = await session.run_sync(lambda s: runs.mark_succeeded(s.connection(), attempt, detail=detail))
+        won = await session.run_sync(
+            lambda s: runs.mark_succeeded(s.connection(), attempt, detail=detail, result=result)
+        )
         if not won:
             await session.rollback()
             raise LeaseLost

@@ -33,7 +33,9 @@ class InFlight:
         attempt / leased: The attempt number and whether this delivery holds the run's lease.
         ctx: The handler's context while it runs (its ``cancel_event`` stops it).
         task: The asyncio task handling this message.
-        verdict: ``succeeded``, ``retrying`` or ``failed`` once recorded.
+        verdict: ``succeeded``, ``retrying``, ``failed`` or ``cancelled`` once recorded.
+        stop_requested: Set by the heartbeat when a committed ``Cancel`` asked the run to
+            stop (the attempt then ends ``cancelled`` without waiting for the handler).
     """
 
     queue: str
@@ -52,6 +54,7 @@ class InFlight:
     task: asyncio.Task[None] | None = None
     leased: bool = False
     verdict: str | None = None
+    stop_requested: asyncio.Event | None = None
 
     def hideable_seconds(self, wanted: float, *, now: float | None = None) -> float:
         """``wanted`` seconds of visibility, cut to what SQS still allows for this message.

@@ -14,11 +14,13 @@
 4. **Take the run's lease** (:func:`sqla_outbox.worker.runs.take_lease`). No such run
    (foreign or forged message) or a run of another task/tenant/queue → DLQ, never
    executed. A finished run → the copy is acknowledged and skipped (a failed run whose
-   DLQ send was interrupted gets it completed). A live lease elsewhere → the copy is
-   hidden until that lease would expire; it runs only if the other worker vanished. A
-   run not due yet (``available_at`` ahead) → an early copy, hidden until the due time or,
-   when that is more than a minute away and the relay still holds the run's own message,
-   deleted (:func:`_early_copy`); the run's attempts are untouched.
+   DLQ send was interrupted gets it completed). A cancelled run (``Cancel`` committed
+   after the relay sent it) → acknowledged, the handler never called. A live lease
+   elsewhere → the copy is hidden until that lease would expire; it runs only if the
+   other worker vanished. A run not due yet (``available_at`` ahead) → an early copy,
+   hidden until the due time or, when that is more than a minute away and the relay
+   still holds the run's own message, deleted (:func:`_early_copy`); the run's attempts
+   are untouched.
 5. **Check** the receive count (a message redelivered past ``max_receives`` without a
    verdict, e.g. after worker crashes, goes to the DLQ).
 6. **Run** the handler with its timeout, heartbeat running (see ``heartbeat.py``). The
@@ -27,7 +29,10 @@
    → ``retrying`` and ChangeMessageVisibility(backoff), or the permanent path on the
    last allowed receive; :class:`~sqla_outbox.errors.PermanentError` or a type listed in
    ``@task(permanent=...)`` → ``failed``, DLQ with the error context, delete; timeout →
-   transient, cancellation signalled, slot freed.
+   transient, cancellation signalled, slot freed. A cancel request (the heartbeat saw a
+   committed ``Cancel``) → cancellation signalled, the handler's session discarded, run
+   ``cancelled``, message deleted, slot freed; any verdict the attempt tries after a
+   cancel was committed turns into ``cancelled`` too (:func:`_reconcile_lost`).
 
 Database first, then SQS: if the worker dies in between, the copy that comes back finds
 the run's state and finishes the job (acknowledges, or completes the DLQ send).
@@ -59,6 +64,37 @@ logger = logging.getLogger("sqla_outbox.worker")
 
 class _TimedOut(Exception):
     """The attempt's own timeout fired (as opposed to a TimeoutError the handler raised)."""
+
+
+class _StopRequested(Exception):
+    """A committed ``Cancel`` asked the attempt to stop (the heartbeat signalled it)."""
+
+
+CANCEL_UNWIND_SECONDS = 5.0
+"""How long an async handler cancelled by a ``Cancel`` may take to unwind (its session
+rolls back) before the worker records the run and moves on."""
+
+
+async def _until_stopped(awaitable: Any, stop: asyncio.Event) -> Any:
+    """Await ``awaitable`` unless ``stop`` is set first; then cancel it and raise
+    :class:`_StopRequested` (a sync handler's thread keeps running, signalled through
+    ``ctx.cancel_event``; whatever it does later is rolled back, as after a timeout)."""
+    work = asyncio.ensure_future(awaitable)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        stopper.cancel()
+        raise
+    stopper.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    await asyncio.wait({work}, timeout=CANCEL_UNWIND_SECONDS)
+    if work.done() and not work.cancelled():
+        work.exception()  # retrieved: an unwinding handler's error is not "never retrieved"
+    raise _StopRequested
 
 
 async def _with_timeout(awaitable: Any, timeout: float | None) -> Any:
@@ -208,6 +244,13 @@ async def _settle_unclaimed(runtime: Runtime, flight: InFlight, claim: runs.Clai
         )
         runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
         return
+    if status is runs.ClaimStatus.CANCELLED:
+        runtime.counters.duplicates_skipped += 1
+        _log(
+            logging.INFO, "cancelled run acknowledged; handler not called", "worker.cancelled_skipped", flight
+        )
+        runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
+        return
     if status is runs.ClaimStatus.FAILED:
         if claim.dead_lettered:
             runtime.counters.duplicates_skipped += 1
@@ -242,6 +285,7 @@ async def _execute(
     timeout = definition.effective_timeout()
     ctx = execute.make_context(env, attempt, definition, queue=flight.queue, settings=runtime.settings)
     flight.ctx = ctx
+    stop = flight.stop_requested = asyncio.Event()
     payload = env.payload
     started = time.perf_counter()
     _log(logging.DEBUG, "attempt started", "worker.attempt_started", flight, attempt=attempt.attempt)
@@ -250,13 +294,17 @@ async def _execute(
         with tracing.handler_span(f"{env.task} process", env.trace, span_attributes):
             if definition.is_async:
                 runner = execute.run_async(runtime.async_session_factory, definition, payload, ctx, attempt)
-                await _with_timeout(runner, timeout)
+                await _until_stopped(_with_timeout(runner, timeout), stop)
             else:
                 future = _run_in_thread(
                     lambda: execute.run_sync(runtime.session_factory, definition, payload, ctx, attempt),
                     name=f"task-{env.task}",
                 )
-                await _with_timeout(asyncio.shield(future), timeout)
+                await _until_stopped(_with_timeout(asyncio.shield(future), timeout), stop)
+    except _StopRequested:  # record `cancelled` (mark_cancelled), delete the message
+        ctx.cancel_event.set()
+        await _reconcile_lost(runtime, flight)
+        return
     except _TimedOut:
         ctx.cancel_event.set()
         assert timeout is not None
@@ -495,14 +543,32 @@ async def _early_copy(runtime: Runtime, flight: InFlight, due_in_seconds: float)
     await runtime.io(runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
 
 
+def _record_cancelled(runtime: Runtime, flight: InFlight) -> None:
+    flight.verdict = "cancelled"
+    runtime.counters.cancelled += 1
+    metrics.RUNS_FINISHED.labels(attempt_task(flight), "cancelled").inc()
+    _log(logging.INFO, "run cancelled while running", "worker.cancelled", flight, attempt=flight.attempt)
+    runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
+
+
 async def _reconcile_lost(runtime: Runtime, flight: InFlight) -> None:
-    """The attempt's transition matched nothing: act on the run's real status."""
+    """The attempt's transition matched nothing: act on the run's real status. A committed
+    cancel request is why, when :func:`~sqla_outbox.worker.runs.mark_cancelled` matches:
+    the run ends ``cancelled`` and the message is deleted."""
     assert flight.run_id is not None
     run_id = flight.run_id
+    if flight.leased and flight.verdict is None:
+        attempt = runs.Attempt(run_id, flight.attempt, flight.receive_count, runtime.worker_id)
+        detail = _handler_detail(flight)
+        if await runtime.io(
+            runtime.in_transaction, lambda conn: runs.mark_cancelled(conn, attempt, detail=detail)
+        ):
+            _record_cancelled(runtime, flight)
+            return
     status = await runtime.io(runtime.in_transaction, lambda conn: runs.current_status(conn, run_id))
     runtime.counters.lost_leases += 1
     _log(logging.WARNING, "attempt lost the run; reconciling", "worker.lease_lost", flight, status=status)
-    if status == "succeeded":
+    if status in ("succeeded", "cancelled"):
         runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
     # otherwise another attempt owns the run, or its verdict is recorded and this copy
     # comes back later and is handled by what the run says then

@@ -8,6 +8,12 @@ still allows: a message stays hidden at most 12 hours after its first receive,
 and its run's lease renewed by as much (one UPDATE for all of them). A run whose lease
 could not be renewed (another worker took it over after a long stall) has its attempt
 cancelled; its result would be discarded anyway.
+
+Every ``worker_cancel_check_seconds`` (while any run executes) the heartbeat also asks
+PostgreSQL which of its running runs a committed ``Cancel`` asked to stop (one
+primary-key query for all of them, :func:`~sqla_outbox.worker.runs.cancel_requests`),
+and signals those attempts: ``ctx.cancel_event`` (what the handler sees, the signal
+timeouts use) and the flight's ``stop_requested`` (the worker records ``cancelled``).
 """
 
 from __future__ import annotations
@@ -43,10 +49,15 @@ async def heartbeat_loop(
         flights: Returns the messages in flight now.
         interval_seconds: Time between beats.
     """
+    checked_at = time.monotonic()
     while True:
         await asyncio.sleep(interval_seconds)
         try:
-            await beat(runtime, list(flights()))
+            current = list(flights())
+            await beat(runtime, current)
+            if time.monotonic() - checked_at >= runtime.settings.worker_cancel_check_seconds:
+                checked_at = time.monotonic()
+                await check_cancel_requests(runtime, current)
         except Exception as exc:
             logger.warning(
                 "heartbeat failed",
@@ -95,6 +106,32 @@ async def beat(runtime: Runtime, in_flight: list[InFlight]) -> None:
                 "lease lost; cancelling the attempt",
                 extra=log_extra(action="worker.lease_lost", run_id=str(flight.run_id), task=flight.task_name),
             )
+
+
+async def check_cancel_requests(runtime: Runtime, in_flight: list[InFlight]) -> int:
+    """Signal the attempts whose runs a committed ``Cancel`` asked to stop; return how many."""
+    running = [f for f in in_flight if f.leased and f.verdict is None and f.run_id is not None and f.ctx]
+    if not running:
+        return 0
+    run_ids = [f.run_id for f in running if f.run_id is not None]
+    requested = await runtime.io(runtime.in_transaction, lambda conn: runs.cancel_requests(conn, run_ids))
+    signalled = 0
+    for flight in running:
+        if flight.run_id in requested and flight.ctx is not None:
+            stop = flight.stop_requested
+            if stop is not None and stop.is_set():
+                continue
+            flight.ctx.cancel_event.set()
+            if stop is not None:
+                stop.set()
+            signalled += 1
+            logger.info(
+                "cancel requested; stopping the attempt",
+                extra=log_extra(
+                    action="worker.cancel_requested", run_id=str(flight.run_id), task=flight.task_name
+                ),
+            )
+    return signalled
 
 
 def _extend_visibility(runtime: Runtime, queue: str, flights: list[InFlight]) -> set[str]:

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Float, Integer, Text, bindparam, text
+from sqlalchemy import BindParameter, Float, Integer, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
 
@@ -40,6 +40,7 @@ class ClaimStatus(enum.Enum):
     MISMATCH = "mismatch"  # the run exists but the envelope is not the one the relay sent
     SUCCEEDED = "succeeded"  # finished: acknowledge the copy
     FAILED = "failed"  # finished: complete the DLQ path if it was not completed
+    CANCELLED = "cancelled"  # cancelled (now or before): acknowledge, never run the handler
     LEASED = "leased"  # another worker holds a live lease
     NOT_DUE = "not_due"  # queued, but its available_at is still ahead: not ours to run yet
 
@@ -68,7 +69,7 @@ class Claim:
 _TAKE = text(
     """
 WITH prev AS (
-    SELECT run_id, task, tenant_id, queue, status, attempts, dead_lettered_at,
+    SELECT run_id, task, tenant_id, queue, status, attempts, dead_lettered_at, cancel_requested_at,
            EXTRACT(EPOCH FROM (lease_expires_at - clock_timestamp()))::float8 AS lease_left,
            EXTRACT(EPOCH FROM (available_at - clock_timestamp()))::float8 AS due_in
     FROM task_runs WHERE run_id = :run_id FOR UPDATE
@@ -93,9 +94,28 @@ claimed AS (
       AND prev.tenant_id IS NOT DISTINCT FROM :tenant_id AND checked.envelope_matches
       AND (CAST(:queue AS text) IS NULL OR prev.queue = :queue)
       AND (prev.due_in <= 0 OR NOT CAST(:honour_due_time AS boolean))
+      AND prev.cancel_requested_at IS NULL
       AND (prev.status IN ('queued', 'retrying')
            OR (prev.status = 'running' AND (prev.lease_left IS NULL OR prev.lease_left <= 0)))
     RETURNING t.attempts
+),
+abandoned AS (
+    -- a cancel asked a running run to stop and its worker vanished: the run ends here
+    UPDATE task_runs AS t
+    SET status = 'cancelled', finished_at = clock_timestamp(), updated_at = clock_timestamp(),
+        lease_owner = NULL, lease_expires_at = NULL
+    FROM prev, checked
+    WHERE t.run_id = prev.run_id AND prev.task = :task
+      AND prev.tenant_id IS NOT DISTINCT FROM :tenant_id AND checked.envelope_matches
+      AND prev.status = 'running' AND prev.cancel_requested_at IS NOT NULL
+      AND (prev.lease_left IS NULL OR prev.lease_left <= 0)
+    RETURNING t.attempts
+),
+abandoned_trail AS (
+    INSERT INTO task_run_trail (run_id, status, attempt, receive_count, worker_id, detail)
+    SELECT :run_id, 'cancelled', abandoned.attempts, :receive_count, :worker,
+           jsonb_build_object('reason', 'cancel-requested', 'lease', 'expired')
+    FROM abandoned
 ),
 trail AS (
     INSERT INTO task_run_trail (run_id, status, attempt, receive_count, worker_id, detail)
@@ -104,8 +124,9 @@ trail AS (
     FROM claimed, prev
 )
 SELECT prev.task, prev.tenant_id, prev.queue, prev.status, prev.lease_left, prev.due_in,
-       prev.dead_lettered_at, checked.envelope_matches, claimed.attempts AS claimed_attempt
-FROM prev CROSS JOIN checked LEFT JOIN claimed ON true
+       prev.dead_lettered_at, checked.envelope_matches, claimed.attempts AS claimed_attempt,
+       abandoned.attempts AS abandoned_attempt
+FROM prev CROSS JOIN checked LEFT JOIN claimed ON true LEFT JOIN abandoned ON true
 """
 ).bindparams(
     bindparam("run_id", type_=UUID(as_uuid=True)),
@@ -171,8 +192,15 @@ def take_lease(
         or (queue is not None and row.queue != queue)
     ):
         return Claim(ClaimStatus.MISMATCH, previous_status=row.status)
-    if honour_due_time and row.status in ("queued", "retrying") and row.due_in > 0:
+    if (
+        honour_due_time
+        and row.status in ("queued", "retrying")
+        and row.due_in > 0
+        and row.abandoned_attempt is None
+    ):
         return Claim(ClaimStatus.NOT_DUE, previous_status=row.status, due_in_seconds=float(row.due_in))
+    if row.status == "cancelled" or row.abandoned_attempt is not None:
+        return Claim(ClaimStatus.CANCELLED, previous_status=row.status)
     if row.status == "succeeded":
         return Claim(ClaimStatus.SUCCEEDED, previous_status=row.status)
     if row.status == "failed":
@@ -186,14 +214,17 @@ def take_lease(
     )
 
 
-def _transition(new_status: str, extra_set: str) -> Any:
-    return text(
-        f"""
+def _transition(new_status: str, extra_set: str, *, cancel_requested: bool = False) -> Any:
+    # A committed cancel request wins over the attempt's own verdict: only
+    # mark_cancelled moves a run whose cancel_requested_at is set (control_write).
+    guard = "IS NOT NULL" if cancel_requested else "IS NULL"
+    sql = f"""
 WITH moved AS (
     UPDATE task_runs
     SET status = '{new_status}', updated_at = clock_timestamp(), lease_owner = NULL,
         lease_expires_at = NULL{extra_set}
     WHERE run_id = :run_id AND status = 'running' AND attempts = :attempt
+      AND cancel_requested_at {guard}
     RETURNING run_id
 )
 INSERT INTO task_run_trail (run_id, status, attempt, receive_count, worker_id, error_type,
@@ -203,18 +234,21 @@ SELECT run_id, '{new_status}', :attempt, :receive_count, :worker, :error_type, :
 FROM moved
 RETURNING 1
 """
-    ).bindparams(
+    binds: list[BindParameter[Any]] = [
         bindparam("run_id", type_=UUID(as_uuid=True)),
         bindparam("attempt", type_=Integer),
         bindparam("error_type", type_=Text),
         bindparam("error_message", type_=Text),
         bindparam("traceback", type_=Text),
         bindparam("detail", type_=Text),
-    )
+        bindparam("result", type_=Text),
+    ]
+    return text(sql).bindparams(*(b for b in binds if f":{b.key}" in sql))
 
 
 _ERROR_SET = ", last_error_type = :error_type, last_error = :error_message"
-_SUCCEED = _transition("succeeded", ", finished_at = clock_timestamp()")
+_SUCCEED = _transition("succeeded", ", finished_at = clock_timestamp(), result = CAST(:result AS jsonb)")
+_CANCEL = _transition("cancelled", ", finished_at = clock_timestamp()", cancel_requested=True)
 _RETRY = _transition("retrying", _ERROR_SET)
 _FAIL = _transition("failed", ", finished_at = clock_timestamp()" + _ERROR_SET)
 _REQUEUE = _transition("queued", "")
@@ -271,17 +305,51 @@ def _params(attempt: Attempt, failure: Failure | None, detail: dict[str, Any] | 
         "error_message": failure.message if failure else None,
         "traceback": failure.traceback if failure else None,
         "detail": json.dumps(charsets.jsonb_safe(detail)) if detail else None,
+        "result": None,
     }
 
 
-def mark_succeeded(connection: Connection, attempt: Attempt, *, detail: dict[str, Any] | None = None) -> bool:
-    """``running → succeeded``. Run it in the handler's transaction; False = lease lost.
+def mark_succeeded(
+    connection: Connection,
+    attempt: Attempt,
+    *,
+    detail: dict[str, Any] | None = None,
+    result: str | None = None,
+) -> bool:
+    """``running → succeeded``. Run it in the handler's transaction; False = lease lost
+    (or a cancel was requested: see :func:`mark_cancelled`).
 
     Args:
         detail: The handler's ``ctx.trail_detail`` (bounded by the caller), stored in the
             trail row.
+        result: The handler's result as JSON text (checked and bounded by
+            :func:`sqla_outbox.results.encode_result`), stored in ``task_runs.result``;
+            None stores SQL NULL.
     """
-    return connection.execute(_SUCCEED, _params(attempt, None, detail or None)).first() is not None
+    params = _params(attempt, None, detail or None)
+    params["result"] = result
+    return connection.execute(_SUCCEED, params).first() is not None
+
+
+def mark_cancelled(connection: Connection, attempt: Attempt, *, detail: dict[str, Any] | None = None) -> bool:
+    """``running → cancelled`` for an attempt whose run has a committed cancel request;
+    False when there is none (or the attempt lost the run)."""
+    merged = {**(detail or {}), "reason": "cancel-requested"}
+    return connection.execute(_CANCEL, _params(attempt, None, merged)).first() is not None
+
+
+_CANCEL_REQUESTS = text(
+    "SELECT run_id FROM task_runs WHERE run_id = ANY(:run_ids) AND status = 'running' "
+    "AND cancel_requested_at IS NOT NULL"
+).bindparams(bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True))))
+
+
+def cancel_requests(connection: Connection, run_ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+    """Of ``run_ids``, the running runs a committed ``Cancel`` asked to stop (one
+    primary-key lookup per run; the heartbeat calls it every ``worker_cancel_check_seconds``)."""
+    if not run_ids:
+        return set()
+    return {row[0] for row in connection.execute(_CANCEL_REQUESTS, {"run_ids": list(run_ids)})}
 
 
 def mark_retrying(

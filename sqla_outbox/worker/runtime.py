@@ -45,6 +45,7 @@ class WorkerCounters:
     returned: int = 0
     lost_leases: int = 0
     deferred: int = 0
+    cancelled: int = 0
 
 
 class Runtime:

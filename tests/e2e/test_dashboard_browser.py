@@ -214,6 +214,42 @@ def test_an_operator_watches_runs_flow_then_requeues_a_failed_run_that_succeeds(
     ] == "dashboard:alice"
 
 
+def test_an_operator_cancels_a_running_run_from_its_page(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    services: tuple[ServiceProcess, ServiceProcess, ServiceProcess, str],
+    tmp_path: Path,
+) -> None:
+    """Issue 14 on the dashboard: Cancel on a running run's page, confirmed after its dry
+    run; the handler sees the cancellation, the run ends cancelled, the trail names alice."""
+    _relay, worker, _dashboard, base = services
+    worker.wait_for_action("worker.started", timeout=30)
+    marker = tmp_path / "marker"
+    run_id = dispatch(app, "audit", {"mode": "wait_for_cancel", "marker": str(marker), "seconds": 60})
+    wait_for(lambda: marker.exists() and "started" in marker.read_text(), timeout=30)
+    with chromium(tmp_path / "profile") as browser:
+        page = browser.new_page()
+        sign_in(page, base)
+        page.goto(f"{base}/runs/{run_id}")
+        assert page.get_attribute("h1 [data-status]", "data-status") == "running"
+        page.click('button[data-action="runs-cancel"]')
+        page.wait_for_selector("#preview-summary")
+        assert "1 running run(s) would be asked to stop" in page.inner_text("#preview-summary")
+        assert status_of(engine, run_id) == "running"  # the preview changed nothing
+        screenshot(page, "cancel-confirm")
+        page.click("#confirm button[type=submit]")
+        page.wait_for_selector("#result-summary")
+        assert "1 running run(s) were asked to stop" in page.inner_text("#result-summary")
+        wait_for(lambda: status_of(engine, run_id) == "cancelled", timeout=30, interval=0.2)
+        page.goto(f"{base}/runs/{run_id}")
+        assert page.get_attribute("h1 [data-status]", "data-status") == "cancelled"
+        assert page.locator('#trail [data-worker="dashboard:alice"]').count() == 1
+        assert page.locator('button[data-action="runs-cancel"]').count() == 0
+        screenshot(page, "run-cancelled")
+    assert "saw-cancel" in marker.read_text()
+    assert [t.status for t in trail(engine, run_id)] == ["running", "running", "cancelled"]
+
+
 def test_without_the_token_or_the_csrf_token_the_browser_changes_nothing(
     app: sessionmaker[Session],
     engine: sa.Engine,

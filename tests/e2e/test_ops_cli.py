@@ -48,8 +48,10 @@ RUN_KEYS = {
     "last_error_type",
     "last_error",
     "dead_lettered_at",
+    "cancel_requested_at",
     "age_seconds",
     "parked",
+    "result",
 }
 LETTER_KEYS = {
     "queue",
@@ -173,6 +175,7 @@ def test_status_prints_tables_and_a_json_document(
         "retrying": 0,
         "succeeded": 0,
         "failed": 0,
+        "cancelled": 0,
     }
     assert (document["stale_after_seconds"], document["stale_running_count"]) == (900.0, 1)
     assert document["stale_running"][0]["run_id"] == str(stuck)
@@ -495,6 +498,7 @@ def test_purge_dry_run_then_purge(engine: sa.Engine, env: dict[str, str]) -> Non
         "platform_outbox_messages": 1,
         "succeeded_runs": 1,
         "failed_runs": 1,
+        "cancelled_runs": 0,
     }
     assert dry["dry_run"] is True and dry["deleted"] == 3
     assert support.count(engine, "platform_outbox_messages") == 3 and support.count(engine, "task_runs") == 2
@@ -519,6 +523,7 @@ def test_purge_dry_run_then_purge(engine: sa.Engine, env: dict[str, str]) -> Non
         "platform_outbox_messages": 2,
         "succeeded_runs": 2,
         "failed_runs": 2,
+        "cancelled_runs": 1,
     }
     with engine.connect() as conn:
         left = set(conn.execute(sa.text("SELECT run_id FROM platform_outbox_messages")).scalars())

@@ -36,8 +36,31 @@ def record(ctx: TaskContext, note: str = "") -> None:
     )
 
 
-def behave(payload: dict[str, Any], ctx: TaskContext) -> None:
+def mark(path: str, line: str) -> None:
+    """Append ``line`` to a marker file (outside the database: survives a rollback)."""
+    with open(path, "a") as marker:
+        marker.write(line + "\n")
+
+
+def behave(payload: dict[str, Any], ctx: TaskContext) -> Any:
     mode = payload.get("mode", "ok")
+    if mode == "result":
+        record(ctx, note="result")
+        return payload["value"]
+    if mode == "big_result":
+        record(ctx, note="big_result")
+        return "x" * payload["size"]
+    if mode == "not_json_result":
+        return {"at": {1, 2}}
+    if mode == "wait_for_cancel":
+        mark(payload["marker"], "started")
+        deadline = time.monotonic() + payload.get("seconds", 30)
+        while time.monotonic() < deadline and not ctx.cancelled:
+            time.sleep(0.02)
+        mark(payload["marker"], "saw-cancel" if ctx.cancelled else "no-cancel")
+        record(ctx, note="after-cancel")  # rolled back: the run ends cancelled
+        ctx.check_cancelled()
+        return None
     if mode == "fail_times" and ctx.attempt <= payload["times"]:
         raise ConnectionError(f"flaky dependency (attempt {ctx.attempt})")
     if mode == "always_fail":
@@ -78,8 +101,8 @@ def behave(payload: dict[str, Any], ctx: TaskContext) -> None:
 
 
 @task("audit", queue="default", timeout_seconds=60)
-def audit(payload: dict[str, Any], ctx: TaskContext) -> None:
-    behave(payload, ctx)
+def audit(payload: dict[str, Any], ctx: TaskContext) -> Any:
+    return behave(payload, ctx)
 
 
 @task("send_welcome", queue="default")
@@ -100,7 +123,16 @@ def charge_card(payload: dict[str, Any], ctx: TaskContext) -> None:
 
 
 @task("index_user", queue="bulk", subscribes=["user.created"])
-async def index_user(payload: dict[str, Any], ctx: TaskContext) -> None:
+async def index_user(payload: dict[str, Any], ctx: TaskContext) -> Any:
+    if payload.get("mode") == "wait_for_cancel":
+        mark(payload["marker"], "started")
+        try:
+            await asyncio.sleep(payload.get("seconds", 30))
+        except asyncio.CancelledError:
+            mark(payload["marker"], "saw-cancel" if ctx.cancelled else "cancelled-without-signal")
+            raise
+    if payload.get("mode") == "result":
+        return payload["value"]
     if payload.get("mode") == "sleep":
         await asyncio.sleep(payload["seconds"])
     if payload.get("mode") == "fail_times" and ctx.attempt <= payload["times"]:

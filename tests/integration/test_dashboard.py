@@ -30,7 +30,7 @@ from sqla_outbox.dashboard import create_app, queries
 from sqla_outbox.relay import Relay
 from sqla_outbox.relay.schedule import Scheduler, latest_slot, next_slot, slot_run_id
 from tests.integration.test_ops import fail_into_dlq, outbox_row
-from tests.support import csrf_token, receive_all, serve_asgi, status_of, trail
+from tests.support import csrf_token, outbox_rows, receive_all, serve_asgi, status_of, trail
 
 TOKEN = "t0ken-for-the-dashboard-tests"
 SECRET = "s3cr3t-card-4242"
@@ -150,7 +150,14 @@ def test_overview_shows_pending_rows_by_queue_and_tenant_runs_by_status_and_the_
     tenants = cells(page, "data-tenant")
     assert set(tenants) == {"2", "5"} and tenants["2"].startswith("2 2 2 ")
     counts = dict(re.findall(r'data-status-count="(\w+)" data-count="(\d+)"', page))
-    assert counts == {"queued": "4", "running": "0", "retrying": "0", "succeeded": "1", "failed": "1"}
+    assert counts == {
+        "queued": "4",
+        "running": "0",
+        "retrying": "0",
+        "succeeded": "1",
+        "failed": "1",
+        "cancelled": "0",
+    }
     assert 'id="pending-total" data-count="4"' in page
     minute = re.search(r'<tr data-minute="[^"]+">(.*?)</tr>', charts.text, re.S)
     assert minute is not None
@@ -237,7 +244,7 @@ def test_run_page_shows_the_envelope_attempts_and_trail_and_hides_the_payload(
     assert "charge_card" in page and "order 7 has no lines" in page and "ValueError" in page
     assert re.findall(r'data-trail-status="(\w+)"', page) == ["running", "failed", "failed"]
     assert re.findall(r'<tr data-attempt="(\d+)"', page) == ["1"]
-    assert "Runs do not record a result in this version." in page
+    assert 'id="result-none"' in page and "No result recorded." in page
     assert missing.status_code == 404 and garbage.status_code == 404
 
     with serve(dashboard_show_payloads=True) as client:
@@ -590,3 +597,104 @@ def test_mounted_in_fastapi_behind_the_applications_own_authentication(
         )
     assert done.status_code == 200 and "requeued 1" in done.text
     assert trail(engine, run_id)[-1].worker_id == "dashboard:bob"
+
+
+# --- cancel and results (issue 14) ----------------------------------------------------------
+
+
+def test_cancel_from_the_run_page_confirms_then_cancels_and_records_the_operator(
+    app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
+) -> None:
+    run_id = dispatch(app, "charge_card", {}, tenant_id=3, delay=600)
+    done_run = dispatch(app, "charge_card", {}, tenant_id=3)
+    execute(engine, "UPDATE task_runs SET status = 'succeeded' WHERE run_id = :r", r=done_run)
+    with serve(dashboard_token=TOKEN, dashboard_actions=True) as client:
+        csrf = logged_in(client, "alice")
+        page = client.get(f"/runs/{run_id}").text
+        assert 'data-action="runs-cancel"' in page
+        assert 'data-action="runs-cancel"' not in client.get(f"/runs/{done_run}").text  # finished: no button
+
+        preview = client.post(
+            "/actions/runs-cancel/preview", data={"csrf_token": csrf, "run_id": str(run_id)}
+        )
+        assert preview.status_code == 200 and "1 run(s) would be cancelled" in preview.text
+        assert status_of(engine, run_id) == "queued" and len(outbox_rows(engine)) == 2  # dry run rolled back
+
+        unconfirmed = client.post("/actions/runs-cancel", data={"csrf_token": csrf, "run_id": str(run_id)})
+        assert status_of(engine, run_id) == "queued", unconfirmed.status_code
+        done = client.post(
+            "/actions/runs-cancel", data={"csrf_token": csrf, "run_id": str(run_id), "confirmed": "yes"}
+        )
+        assert done.status_code == 200 and "1 run(s) were cancelled" in done.text
+        assert "cancelled" in client.get(f"/runs/{run_id}").text
+    assert status_of(engine, run_id) == "cancelled"
+    [step] = trail(engine, run_id)
+    assert (step.status, step.worker_id, step.detail["cancelled_by"]) == (
+        "cancelled",
+        "dashboard:alice",
+        "dashboard:alice",
+    )
+    assert [r.run_id for r in outbox_rows(engine)] == [done_run]
+
+
+def test_cancel_a_filtered_set_from_the_run_list_and_refusals(
+    app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
+) -> None:
+    mine = [dispatch(app, "charge_card", {}, tenant_id=5) for _ in range(3)]
+    other = dispatch(app, "charge_card", {}, tenant_id=6)
+    with serve(dashboard_token=TOKEN, dashboard_actions=True) as client:
+        csrf = logged_in(client, "bob")
+        listed = client.get("/runs", params={"task": "charge_card", "tenant": "5"}).text
+        assert 'id="runs-cancel-matching"' in listed
+        assert 'id="runs-cancel-matching"' not in client.get("/runs").text  # no filter: no mass cancel
+        assert (
+            'id="runs-cancel-matching"'
+            not in client.get("/runs", params={"tenant": "5", "queue": "bulk"}).text
+        )
+        form = {"csrf_token": csrf, "task": "charge_card", "tenant": "5", "confirmed": "yes"}
+        done = client.post("/actions/runs-cancel", data=form)
+        assert done.status_code == 200 and "3 run(s) were cancelled" in done.text
+        nothing = client.post("/actions/runs-cancel/preview", data={"csrf_token": csrf})
+        finished = client.post(
+            "/actions/runs-cancel/preview", data={"csrf_token": csrf, "task": "audit", "status": "succeeded"}
+        )
+        no_csrf = client.post("/actions/runs-cancel", data={"task": "charge_card", "confirmed": "yes"})
+    assert nothing.status_code == 400 and finished.status_code == 400
+    assert no_csrf.status_code == 403
+    assert {status_of(engine, r) for r in mine} == {"cancelled"}
+    assert status_of(engine, other) == "queued"
+    assert {trail(engine, r)[0].worker_id for r in mine} == {"dashboard:bob"}
+
+
+def test_cancel_is_refused_without_actions_or_a_token(
+    app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
+) -> None:
+    run_id = dispatch(app, "audit", {})
+    with serve(dashboard_token=TOKEN) as client:  # read-only
+        csrf = logged_in(client)
+        refused = client.post(
+            "/actions/runs-cancel", data={"csrf_token": csrf, "run_id": str(run_id), "confirmed": "yes"}
+        )
+    assert refused.status_code == 403 and status_of(engine, run_id) == "queued"
+
+
+def test_run_page_shows_the_result_escaped_only_when_payloads_are_shown(
+    app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
+) -> None:
+    run_id = dispatch(app, "audit", {})
+    quote = {"price_cents": 12500, "note": "<script>alert(1)</script>"}
+    execute(
+        engine,
+        "UPDATE task_runs SET status = 'succeeded', result = CAST(:q AS jsonb) WHERE run_id = :r",
+        r=run_id,
+        q=json.dumps(quote),
+    )
+    with serve(dashboard_token=TOKEN) as client:
+        logged_in(client)
+        hidden = client.get(f"/runs/{run_id}").text
+    assert 'id="result-hidden"' in hidden and "12500" not in hidden
+    with serve(dashboard_token=TOKEN, dashboard_show_payloads=True) as client:
+        logged_in(client)
+        shown = client.get(f"/runs/{run_id}").text
+    assert "12500" in shown and "<script>alert(1)</script>" not in shown
+    assert "&lt;script&gt;" in shown

@@ -195,7 +195,14 @@ def test_status_reports_pending_rows_runs_stale_leases_and_queue_depths(
     assert platform.oldest_due_age_seconds == pytest.approx(3600, abs=30)
     delayed = pending[("outbox_messages", "default")]
     assert (delayed.pending, delayed.due, delayed.oldest_due_age_seconds) == (1, 0, None)
-    assert report.runs_by_status == {"queued": 3, "running": 2, "retrying": 0, "succeeded": 1, "failed": 0}
+    assert report.runs_by_status == {
+        "queued": 3,
+        "running": 2,
+        "retrying": 0,
+        "succeeded": 1,
+        "failed": 0,
+        "cancelled": 0,
+    }
     assert report.stale_running_count == 1
     [flagged] = report.stale_running
     assert (flagged.run_id, flagged.lease_owner) == (str(stale), "host:1")

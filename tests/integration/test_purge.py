@@ -318,6 +318,8 @@ def test_dry_run_counts_with_the_same_cutoffs_and_deletes_nothing(
         insert_run(conn, status="succeeded", finished_ago=8 * DAY, trail_rows=3)
         insert_run(conn, status="failed", finished_ago=31 * DAY, trail_rows=4)
         insert_run(conn, status="failed", finished_ago=8 * DAY)
+        insert_run(conn, status="cancelled", finished_ago=8 * DAY, trail_rows=1)  # succeeded's age
+        insert_run(conn, status="cancelled", finished_ago=6 * DAY)
     before = (outbox_ids(engine, "outbox_messages"), run_ids(engine), trail_run_ids(engine))
 
     dry = maintenance.purge(engine, settings, dry_run=True)
@@ -329,6 +331,7 @@ def test_dry_run_counts_with_the_same_cutoffs_and_deletes_nothing(
         "platform_outbox_messages": (1, 0, 0),
         "succeeded_runs": (1, 3, 0),
         "failed_runs": (1, 4, 0),
+        "cancelled_runs": (1, 1, 0),
     }
     real = maintenance.purge(engine, settings)
     assert {c.category: (c.deleted, c.trail_rows) for c in real.counts} == {

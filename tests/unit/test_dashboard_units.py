@@ -342,6 +342,11 @@ def test_registry_places_actions_and_refuses_clashes() -> None:
     )
     assert registry.for_run(run) == [requeue] and requeue.run_fields(run) == {"run_id": str(run.run_id)}
     assert registry.for_run(dataclasses.replace(run, status="succeeded")) == []
+    [cancel] = registry.in_place("runs")
+    assert [
+        registry.for_run(dataclasses.replace(run, status=s)) for s in ("queued", "running", "retrying")
+    ] == [[cancel]] * 3
+    assert registry.for_run(dataclasses.replace(run, status="cancelled")) == []
     assert registry.in_place("controls") == []
     with pytest.raises(ValueError, match="already registered"):
         registry.register(DlqRequeue())
