@@ -529,31 +529,5 @@ class ScriptRunner:
         except (redis.RedisError, OSError) as exc:
             raise ValkeyUnavailable(type(exc).__name__) from None
 
-    def read(self, keys: list[str]) -> list[Any]:
-        """``HGETALL`` of hash keys and ``ZRANGE .. WITHSCORES`` of sorted-set keys, by type,
-        in one pipeline (for ``status``): a dict, a list of (member, score) pairs, or None.
-
-        Raises:
-            ValkeyUnavailable: Valkey did not answer.
-        """
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.type(key)
-            kinds = pipe.execute()
-            pipe = self._client.pipeline(transaction=False)
-            for key, kind in zip(keys, kinds, strict=True):
-                name = kind.decode() if isinstance(kind, bytes) else str(kind)
-                if name == "hash":
-                    pipe.hgetall(key)
-                elif name == "zset":
-                    pipe.zrange(key, 0, -1, withscores=True)
-                else:
-                    pipe.exists(key)
-            replies = pipe.execute()
-        except (redis.RedisError, OSError) as exc:
-            raise ValkeyUnavailable(type(exc).__name__) from None
-        return [reply if isinstance(reply, dict | list) else None for reply in replies]
-
     def close(self) -> None:
         self._client.close()

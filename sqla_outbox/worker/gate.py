@@ -177,6 +177,37 @@ end
 return held
 """
 
+# KEYS[1]: index hash; ARGV[1]: key prefix. For status: each declared task's live slots and
+# admissions in its current window, each breaker's state (open_until as ms from now).
+_SNAPSHOT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local index = redis.call('HGETALL', KEYS[1])
+local out = {}
+for i = 1, #index, 2 do
+  local field, value = index[i], index[i + 1]
+  local kind, name = string.match(field, '^(%a+):(.+)$')
+  if kind == 'task' then
+    local info = cjson.decode(value)
+    local slots = redis.call('ZCOUNT', ARGV[1] .. 'slots:' .. name, '(' .. now, '+inf')
+    local used = 0
+    if type(info.period_seconds) == 'number' then
+      local since = now - info.period_seconds * 1000
+      used = redis.call('ZCOUNT', ARGV[1] .. 'rate:' .. name, '(' .. since, '+inf')
+    end
+    table.insert(out, {'task', name, value, slots, used, 0, 0})
+  elseif kind == 'breaker' then
+    local key = ARGV[1] .. 'breaker:' .. name
+    local h = redis.call('HMGET', key, 'state', 'failures', 'open_until', 'changed_at')
+    local probes = redis.call('ZCOUNT', ARGV[1] .. 'probes:' .. name, '(' .. now, '+inf')
+    local left = math.max(0, tonumber(h[3] or '0') - now)
+    local since = h[4] and (now - tonumber(h[4])) or -1
+    table.insert(out, {'breaker', name, value, h[1] or 'closed', tonumber(h[2] or '0'), left, since, probes})
+  end
+end
+return out
+"""
+
 # KEYS[1]: index hash; ARGV: field, value, field, value, ...
 _PUBLISH = """
 for i = 1, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
@@ -494,7 +525,8 @@ class Gate:
                 f"task:{name}",
                 json.dumps(
                     {
-                        "rate_limit": str(limits.rate) if limits.rate else None,
+                        "rate_count": limits.rate.count if limits.rate else None,
+                        "period_seconds": limits.rate.period_seconds if limits.rate else None,
                         "concurrency": limits.concurrency,
                         "breaker": limits.breaker.key if limits.breaker else None,
                     }
@@ -559,6 +591,105 @@ class Gate:
                 open_seconds=breaker.open_seconds if breaker and after == "open" else None,
             ),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskLimitState:
+    """A task's declared limits and how much of them is in use (``status``, the dashboard).
+
+    Attributes:
+        task: Task name. concurrency: Its cap, or None. running: Slots held now (live leases).
+        rate_count / period_seconds: Its rate limit, or None. admitted_in_window: Runs
+            admitted within the last ``period_seconds``. breaker: Its breaker key, or None.
+    """
+
+    task: str
+    concurrency: int | None
+    running: int
+    rate_count: int | None
+    period_seconds: int | None
+    admitted_in_window: int
+    breaker: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class BreakerState:
+    """A breaker as Valkey holds it now.
+
+    Attributes:
+        key: Integration key. state: ``closed``, ``open`` or ``half_open``; ``open`` past its
+            time reads ``half_open`` (the next admission moves it). failures: Failures in a
+            row so far (closed). open_for_seconds: Until the half-open probe (open only).
+        since_seconds: Time in this state (None: never changed). probes: Half-open probes
+            running. settings: Its declared :class:`~sqla_outbox.worker.limits.Breaker`.
+    """
+
+    key: str
+    state: str
+    failures: int
+    open_for_seconds: float
+    since_seconds: float | None
+    probes: int
+    settings: Breaker
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowControlState:
+    """Everything :func:`snapshot` read; ``error`` says why nothing could be read."""
+
+    tasks: list[TaskLimitState] = dataclasses.field(default_factory=list)
+    breakers: list[BreakerState] = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+
+def snapshot(settings: OutboxSettings) -> FlowControlState | None:
+    """Read the limits workers declared (their start publishes them) and the live state
+    of each, in one atomic script. None without ``valkey_url``; Valkey trouble gives a
+    state with ``error`` set (never raises for it)."""
+    if not settings.valkey_url:
+        return None
+    prefix = key_prefix(settings)
+    runner = ScriptRunner(
+        settings.valkey_url, timeout_seconds=max(1.0, settings.limits_valkey_timeout_ms / 1000)
+    )
+    try:
+        rows = runner.run(_SNAPSHOT, [f"{prefix}index"], [prefix])
+    except ValkeyUnavailable as exc:
+        return FlowControlState(error=f"Valkey did not answer ({exc.error_type})")
+    finally:
+        runner.close()
+    tasks, breakers = [], []
+    for row in rows:
+        kind, name, info = _text(row[0]), _text(row[1]), json.loads(_text(row[2]))
+        if kind == "task":
+            tasks.append(
+                TaskLimitState(
+                    task=name,
+                    concurrency=info.get("concurrency"),
+                    running=int(row[3]),
+                    rate_count=info.get("rate_count"),
+                    period_seconds=info.get("period_seconds"),
+                    admitted_in_window=int(row[4]),
+                    breaker=info.get("breaker"),
+                )
+            )
+        else:
+            state, left = _text(row[3]), float(row[5]) / 1000
+            since = float(row[6])
+            breakers.append(
+                BreakerState(
+                    key=name,
+                    state="half_open" if state == "open" and left <= 0 else state,
+                    failures=int(row[4]),
+                    open_for_seconds=left if state == "open" else 0.0,
+                    since_seconds=None if since < 0 else since / 1000,
+                    probes=int(row[7]),
+                    settings=Breaker(**info),
+                )
+            )
+    return FlowControlState(
+        tasks=sorted(tasks, key=lambda t: t.task), breakers=sorted(breakers, key=lambda b: b.key)
+    )
 
 
 def throttle_delay(settings: OutboxSettings, deferrals: int) -> float:

@@ -178,3 +178,86 @@ def test_status_keys_live_under_the_queue_prefix(redis_url: str, tag: str) -> No
     gate = make_gate(redis_url, tag)
     assert gate.prefix == key_prefix(gate.settings) == f"sqla_outbox:limits:g{tag}-"
     gate.close()
+
+
+def test_snapshot_shows_declared_limits_and_live_state(gates: tuple[Gate, Gate]) -> None:
+    from sqla_outbox.worker.gate import snapshot
+
+    one, two = gates
+    charge = TaskLimits(rate=RateLimit(10, 60), concurrency=3, breaker=BREAKER)
+    one.publish({"charge": charge, "plain": TaskLimits()})
+    held = [admit(one, charge), admit(two, charge)]
+    for _ in range(3):
+        verdict = admit(one, charge)
+        one.release(verdict.admission, "failure")  # type: ignore[attr-defined]
+    state = snapshot(one.settings)
+    assert state is not None and state.error is None
+    [task] = state.tasks
+    assert (task.task, task.concurrency, task.running, task.rate_count, task.admitted_in_window) == (
+        "charge",
+        3,
+        2,
+        10,
+        5,
+    )
+    [breaker] = state.breakers
+    assert breaker.key == BREAKER.key and breaker.state == "open" and breaker.settings == BREAKER
+    assert 0 < breaker.open_for_seconds <= 1
+    for gate, verdict in zip((one, two), held, strict=True):
+        gate.release(verdict.admission, "neutral")  # type: ignore[attr-defined]
+    time.sleep(1.05)
+    later = snapshot(one.settings)
+    assert later is not None and later.tasks[0].running == 0 and later.breakers[0].state == "half_open"
+
+
+def test_snapshot_without_valkey(tag: str) -> None:
+    from sqla_outbox.worker.gate import snapshot
+
+    assert snapshot(OutboxSettings(valkey_url=None)) is None
+    down = snapshot(OutboxSettings(valkey_url=closed_port_url()))
+    assert down is not None and down.error is not None and "ConnectionError" in down.error
+
+
+def test_status_command_shows_limits_in_use_and_breaker_states(
+    settings: OutboxSettings, sqs_endpoint: str
+) -> None:
+    """``python -m sqla_outbox status``: a table and ``--json`` with each limited task's
+    slots in use and each breaker's state, read from the Valkey the workers share."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support import service_env
+
+    slow = Breaker("payments-api", failures=3, open_seconds=600)
+    gate = Gate(settings, breakers={slow.key: slow}, worker_id="w1")
+    charge = TaskLimits(rate=RateLimit(10, 60), concurrency=3, breaker=slow)
+    gate.publish({"charge": charge})
+    held = admit(gate, charge)
+    for _ in range(3):
+        gate.release(admit(gate, charge).admission, "failure")  # type: ignore[attr-defined]
+    env = service_env(settings, sqs_endpoint)
+
+    def status(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "sqla_outbox", "status", "--no-sqs", *args],
+            capture_output=True,
+            text=True,
+            env={**env, "COLUMNS": "200"},
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    document = json.loads(status("--json"))["flow_control"]
+    assert document["error"] is None
+    assert [
+        (t["task"], t["running"], t["concurrency"], t["admitted_in_window"]) for t in document["tasks"]
+    ] == [("charge", 1, 3, 4)]
+    [breaker] = document["breakers"]
+    assert (breaker["key"], breaker["state"], breaker["settings"]["failures"]) == ("payments-api", "open", 3)
+    human = status()
+    assert "Circuit breakers" in human and "payments-api" in human and "open" in human
+    assert "Per-task limits" in human and "1 / 3" in human
+    gate.release(held.admission, "neutral")  # type: ignore[attr-defined]
+    gate.close()
