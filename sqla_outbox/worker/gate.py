@@ -109,7 +109,8 @@ if rate_n > 0 then
   if redis.call('ZCARD', KEYS[1]) >= rate_n then
     local oldest = tonumber(redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2])
     local at = math.max(oldest + period, tonumber(redis.call('GET', KEYS[2]) or '0'))
-    redis.call('SET', KEYS[2], at + math.ceil(period / rate_n), 'PX', period * 2)
+    local after = at + math.ceil(period / rate_n)
+    redis.call('SET', KEYS[2], after, 'PX', math.max(period * 2, after - now + period))
     return {'rate', at - now, state, transition}
   end
   redis.call('ZADD', KEYS[1], now, member)
