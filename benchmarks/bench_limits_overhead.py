@@ -22,6 +22,11 @@ and without the ``limits_*`` settings. The relay never consults per-task limits 
 enforced where runs start, in the worker), so this shows that declaring them costs the
 relay nothing, not a code path of its own.
 
+Part C (the gate alone, one thread, no SQS or database): ``--gate-runs`` admit + release
+pairs for the limited task against Valkey, and against the per-process fallback: the
+cost per run that part A's ratio hides in the noise of a shared machine (moto's CPU per
+message dwarfs it).
+
 Judged by: each "limits" side / "no limits" >= 0.9 (issue 13).
 """
 
@@ -41,6 +46,7 @@ def main() -> None:
         "--messages", type=int, default=300, help="pre-filled messages per worker side (default 300)"
     )
     p.add_argument("--rows", type=int, default=20_000, help="relay backlog rows (default 20,000)")
+    p.add_argument("--gate-runs", type=int, default=2000, help="admit+release pairs in part C (default 2000)")
     args = p.parse_args()
 
     from sqla_outbox.relay import Relay
@@ -162,6 +168,38 @@ def main() -> None:
                 ),
             },
         )
+
+    import uuid
+
+    from sqla_outbox.worker.gate import Gate
+
+    definition = limited.tasks[common.TENANT_TASK]
+
+    def gate_side(valkey_url: str | None) -> float:
+        gate = Gate(base.replace(valkey_url=valkey_url), breakers=limited.breakers, worker_id="bench")
+        run_id = uuid.uuid4()
+        started = time.perf_counter()
+        for _ in range(args.gate_runs):
+            verdict = gate.admit(common.TENANT_TASK, definition.limits, run_id)
+            if verdict.admission is None:
+                raise RuntimeError(f"gate refused: {verdict.reason}")
+            gate.release(verdict.admission, "success")
+        elapsed = time.perf_counter() - started
+        gate.close()
+        return 1000 * elapsed / args.gate_runs
+
+    print("part C: ms per admit + release", flush=True)
+    gate_results = common.alternate(
+        args.rounds,
+        {"gate (Valkey)": lambda: gate_side(args.redis_url), "gate (per process)": lambda: gate_side(None)},
+    )
+    report.table(
+        f"Part C: the gate alone, ms per run (admit + release; {args.gate_runs} per side; "
+        f"median of {args.rounds})",
+        ["side", "ms/run (median)", "min", "max"],
+        [[n, common.median(v), min(v), max(v)] for n, v in gate_results.items()],
+    )
+    report.results["gate_ms_per_run"] = gate_results
 
     for title, results, baseline in (
         (

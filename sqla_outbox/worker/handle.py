@@ -11,6 +11,10 @@
    run is deferred to the outbox (:mod:`sqla_outbox.worker.deferral`): the message is
    deleted and the outbox sends a fresh one later, so no attempt, no receive budget and
    no DLQ is spent on it. A run that is not ours is dead-lettered as below.
+   **Flow control** (a task with ``rate_limit``, ``concurrency`` or ``breaker``): the
+   admission gate (:mod:`sqla_outbox.worker.gate`) decides first; a refused run is
+   deferred through the outbox the same way (ADR 0014), and an admitted one gives its
+   admission back when handling ends, with the outcome its breaker counts.
 4. **Take the run's lease** (:func:`sqla_outbox.worker.runs.take_lease`). No such run
    (foreign or forged message) or a run of another task/tenant/queue → DLQ, never
    executed. A finished run → the copy is acknowledged and skipped (a failed run whose
@@ -27,12 +31,13 @@
    handler's session commits together with ``running → succeeded``.
 7. **Verdict**: success → delete; :class:`~sqla_outbox.errors.Retry` or another exception
    → ``retrying`` and ChangeMessageVisibility(backoff), or the permanent path on the
-   last allowed receive; :class:`~sqla_outbox.errors.PermanentError` or a type listed in
-   ``@task(permanent=...)`` → ``failed``, DLQ with the error context, delete; timeout →
-   transient, cancellation signalled, slot freed. A cancel request (the heartbeat saw a
-   committed ``Cancel``) → cancellation signalled, the handler's session discarded, run
-   ``cancelled``, message deleted, slot freed; any verdict the attempt tries after a
-   cancel was committed turns into ``cancelled`` too (:func:`_reconcile_lost`).
+   last allowed receive (or attempt: a deferral restarts the receive count);
+   :class:`~sqla_outbox.errors.PermanentError` or a type listed in ``@task(permanent=...)``
+   → ``failed``, DLQ with the error context, delete; timeout → transient, cancellation
+   signalled, slot freed. A cancel request (the heartbeat saw a committed ``Cancel``) →
+   cancellation signalled, the handler's session discarded, run ``cancelled``, message
+   deleted, slot freed; any verdict the attempt tries after a cancel was committed turns
+   into ``cancelled`` too (:func:`_reconcile_lost`).
 
 Database first, then SQS: if the worker dies in between, the copy that comes back finds
 the run's state and finishes the job (acknowledges, or completes the DLQ send).

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from sqla_outbox.worker import Breaker, TaskContext, task
+from sqla_outbox.worker import Breaker, RetryPolicy, TaskContext, task
 from tests.e2e.rolling_old_tasks import record
 
 STUB = Breaker("stub-api", failures=3, open_seconds=3, successes=2)
@@ -51,6 +51,16 @@ def _call_stub() -> None:
 def charge(payload: dict[str, Any], ctx: TaskContext) -> None:
     _call_stub()
     record(ctx)
+
+
+@task(
+    "limits.flaky",
+    queue="default",
+    breaker=Breaker("flaky-api", failures=1, open_seconds=3, successes=1),
+    retry=RetryPolicy(max_receives=3),
+)
+def flaky(payload: dict[str, Any], ctx: TaskContext) -> None:
+    raise RuntimeError("the integration is down")
 
 
 @task("limits.refund", queue="default", breaker="stub-api")

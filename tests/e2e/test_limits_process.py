@@ -41,7 +41,7 @@ from tests.support import (
 pytestmark = pytest.mark.e2e
 
 TASKS = "tests.e2e.limits_tasks"
-LIMITED = ("limits.single", "limits.rated", "limits.charge", "limits.refund")
+LIMITED = ("limits.single", "limits.rated", "limits.charge", "limits.refund", "limits.flaky")
 
 
 @pytest.fixture
@@ -247,6 +247,24 @@ def test_breaker_opens_on_failures_fails_fast_and_closes_after_probes(
         assert no_dead_letters(sqs, queues)
     finally:
         stub.close()
+
+
+def test_failures_between_breaker_deferrals_still_exhaust_the_retry_budget(
+    services: Any, app: Any, engine: sa.Engine, sqs: Any, queues: dict[str, str]
+) -> None:
+    """``limits.flaky`` always fails and its breaker opens after each failure, so every retry
+    is first deferred (a fresh message, receive count 1). Attempts still bound the retries:
+    the run fails for good on its third attempt (``max_receives=3``) instead of retrying
+    forever, and only then reaches the DLQ."""
+    services("relay")
+    services("worker", **FAST_THROTTLE)
+    run_id = dispatch(app, "limits.flaky")
+    wait_for(lambda: run_row(engine, run_id).status == "failed", timeout=60, interval=0.2)
+    assert run_row(engine, run_id).attempts == 3
+    assert deferrals(engine, run_id, "breaker-open") >= 1
+    assert max(r.receive_count or 0 for r in trail(engine, run_id)) < 3  # receives alone never got there
+    dead = receive_all(sqs, queues["default-dlq"], expect=1, timeout=20)
+    assert len(dead) == 1 and str(run_id) in dead[0]["Body"]
 
 
 def _valkey_on(port: int) -> subprocess.Popen[bytes]:
