@@ -23,6 +23,7 @@ from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.events import install
 from sqla_outbox.sqs.client import QueueDirectory
+from sqla_outbox.wakeup import Waker
 from sqla_outbox.worker.acks import AckBatcher
 from sqla_outbox.worker.gate import Gate
 from sqla_outbox.worker.outcome import Outcomes
@@ -97,6 +98,7 @@ class Runtime:
         self._io_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=io_threads, thread_name_prefix="sqla-outbox-io"
         )
+        self._waker: Waker | None = None
         self._async_factory: Any = None
         self._async_engine: Any = None
 
@@ -126,9 +128,20 @@ class Runtime:
         with self.engine.begin() as connection:
             return work(connection)
 
+    def wake_relay(self) -> None:
+        """Push the Valkey wake (when ``wake_mode`` uses it), off this thread: after a
+        deferral, so the relay's timer learns the deferred row's due time. Never blocks."""
+        if self.settings.wake_valkey_url is None:
+            return
+        if self._waker is None:
+            self._waker = Waker(self.settings)
+        self._waker.wake()
+
     async def close(self) -> None:
         """Stop the I/O threads (without waiting) and dispose of the async engine."""
         self._io_pool.shutdown(wait=False)
         self.gate.close()
+        if self._waker is not None:
+            self._waker.close()
         if self._async_engine is not None:
             await self._async_engine.dispose()

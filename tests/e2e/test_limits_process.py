@@ -117,8 +117,9 @@ def test_a_run_throttled_50_times_succeeds_on_its_first_attempt(
 ) -> None:
     """``limits.single`` (concurrency=1): while run A holds the only slot, run B is refused
     and deferred through the outbox again and again; after 50 deferrals A finishes and B
-    runs: attempt 1, receive count 1, nothing dead-lettered."""
-    services("relay")
+    runs: attempt 1, receive count 1, nothing dead-lettered. The relay sweeps only every
+    30 s: each deferral wakes it, so its timer follows the deferred row's due time."""
+    services("relay", SQLA_OUTBOX_RELAY_SWEEP_INTERVAL_SECONDS="30")
     services("worker", **FAST_THROTTLE)
     hold = tmp_path / "hold"
     hold.write_text("")
