@@ -112,15 +112,28 @@ FAST_THROTTLE = {
 }
 
 
+@pytest.mark.parametrize("wake_mode", ["valkey", "postgres"])
 def test_a_run_throttled_50_times_succeeds_on_its_first_attempt(
-    services: Any, app: Any, engine: sa.Engine, sqs: Any, queues: dict[str, str], tmp_path: Path
+    services: Any,
+    settings: OutboxSettings,
+    catalog: Catalog,
+    engine: sa.Engine,
+    sqs: Any,
+    queues: dict[str, str],
+    tmp_path: Path,
+    wake_mode: str,
 ) -> None:
     """``limits.single`` (concurrency=1): while run A holds the only slot, run B is refused
     and deferred through the outbox again and again; after 50 deferrals A finishes and B
     runs: attempt 1, receive count 1, nothing dead-lettered. The relay sweeps only every
     30 s: each deferral wakes it, so its timer follows the deferred row's due time."""
-    services("relay", SQLA_OUTBOX_RELAY_SWEEP_INTERVAL_SECONDS="30")
-    services("worker", **FAST_THROTTLE)
+    import sqla_outbox
+
+    app = sessionmaker(engine)
+    sqla_outbox.install(app, settings.replace(wake_mode=wake_mode), catalog=catalog)
+    wake = {"SQLA_OUTBOX_WAKE_MODE": wake_mode}
+    services("relay", SQLA_OUTBOX_RELAY_SWEEP_INTERVAL_SECONDS="30", **wake)
+    services("worker", **wake, **FAST_THROTTLE)
     hold = tmp_path / "hold"
     hold.write_text("")
     first = dispatch(app, "limits.single", {"hold_while": str(hold)})
@@ -136,6 +149,7 @@ def test_a_run_throttled_50_times_succeeds_on_its_first_attempt(
     assert [r.attempt for r in rows if r.status == "succeeded"] == [1]
     assert deferrals(engine, second, "concurrency") >= 50
     assert no_dead_letters(sqs, queues)
+    sqla_outbox.uninstall(app)
 
 
 def test_rate_limit_holds_across_two_worker_processes(
