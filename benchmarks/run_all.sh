@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PYTHON=${PYTHON:-python3.11}
-BENCHES=(dispatch wake wake_modes delayed relay_drain relay_sqs strict_sqs worker memory pipeline scaling wake_abuse what_if dashboard run_indexes cancel)
+BENCHES=(dispatch wake wake_modes delayed relay_drain relay_sqs strict_sqs worker memory pipeline scaling wake_abuse what_if dashboard run_indexes cancel limits_overhead)
 
 if [ ! -x .venv-bench/bin/python ]; then
     "$PYTHON" -m venv .venv-bench

@@ -283,6 +283,28 @@ class OutboxSettings:
         "result fails the run permanently (`result-too-large`). docs/results.md.",
         unit="bytes",
     )
+    limits_slot_lease_seconds: float = _setting(
+        15.0,
+        "Lease of a `@task(concurrency=...)` slot in Valkey; the worker's heartbeat renews it every "
+        "third, so a worker killed holding one frees it within this long.",
+        unit="s",
+    )
+    limits_throttle_delay_seconds: float = _setting(
+        1.0, "First delay of a run deferred by a concurrency cap or a busy half-open breaker.", unit="s"
+    )
+    limits_throttle_delay_max_seconds: float = _setting(
+        10.0, "...doubling per deferral up to this (with jitter).", unit="s"
+    )
+    limits_valkey_timeout_ms: int = _setting(
+        250,
+        "Longest one flow-control call to Valkey may take before the worker limits per process.",
+        unit="ms",
+    )
+    limits_valkey_retry_seconds: float = _setting(
+        5.0,
+        "After a failed flow-control call, per-process limits for this long before trying Valkey again.",
+        unit="s",
+    )
     health_port: int | None = _setting(
         None,
         "Port of the HTTP probe (`/livez`, `/readyz`, `/metrics`) for relay and worker. "
@@ -683,6 +705,16 @@ def _validate(s: OutboxSettings) -> None:
         "worker_backoff_max_seconds",
         "must be within worker_backoff_base_seconds..43200 s (SQS visibility timeout maximum)",
     )
+    _check(1 <= s.limits_slot_lease_seconds <= 3600, "limits_slot_lease_seconds", "must be within 1..3600 s")
+    _check(
+        0 < s.limits_throttle_delay_seconds <= s.limits_throttle_delay_max_seconds <= 3600,
+        "limits_throttle_delay_max_seconds",
+        "must be within limits_throttle_delay_seconds (> 0)..3600 s",
+    )
+    _check(
+        1 <= s.limits_valkey_timeout_ms <= 10_000, "limits_valkey_timeout_ms", "must be within 1..10000 ms"
+    )
+    _check(s.limits_valkey_retry_seconds >= 0, "limits_valkey_retry_seconds", "must be >= 0")
     if s.health_port is not None:
         _check(0 <= s.health_port <= 65535, "health_port", "must be a TCP port (0..65535)")
     _check(0 < s.webhook_timeout_seconds <= 300, "webhook_timeout_seconds", "must be within 0..300 s (not 0)")

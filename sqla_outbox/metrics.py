@@ -95,3 +95,30 @@ RUNS_DEFERRED = Counter(
     "Runs a worker handed back to the outbox instead of running them (no attempt spent).",
     ["task", "reason"],
 )
+
+# --- flow control (per-task limits and circuit breakers; sqla_outbox.worker.gate) ----------
+GATE_REFUSALS = Counter(
+    "sqla_outbox_worker_throttled_total",
+    "Runs the admission gate held back (then deferred through the outbox), by task and reason "
+    "(rate-limit, concurrency, breaker-open, breaker-probing).",
+    ["task", "reason"],
+)
+SLOTS_HELD = Gauge(
+    "sqla_outbox_worker_limited_runs",
+    "Runs of tasks with flow control that this worker admitted and is running now.",
+    ["task"],
+)
+BREAKER_STATE = Gauge(
+    "sqla_outbox_breaker_state",
+    "Circuit breaker state as this worker last saw it: 0 closed, 1 half-open, 2 open.",
+    ["breaker"],
+)
+BREAKER_TRANSITIONS = Counter(
+    "sqla_outbox_breaker_transitions_total",
+    "Circuit breaker transitions this worker made (from, to: closed, half_open, open).",
+    ["breaker", "from_state", "to_state"],
+)
+GATE_VALKEY_ERRORS = Counter(
+    "sqla_outbox_worker_limits_valkey_errors_total",
+    "Flow-control calls to Valkey that failed (limits then hold per process).",
+)

@@ -1,5 +1,9 @@
 """The wake signal: LPUSH after a commit, BLPOP in the relay. The only module that talks to Valkey.
 
+It also hands out :class:`ScriptRunner`, the Valkey client of the worker's flow control
+(:mod:`sqla_outbox.worker.gate`: rate limits, concurrency slots and circuit breakers run
+as atomic Lua scripts), so redis-py stays behind this one module.
+
 The wake is a hint, the sweep is the guarantee: PostgreSQL holds the truth, and a lost
 wake only means the relay finds the rows on its next sweep (every
 ``relay_sweep_interval_seconds``). So the application side never lets Valkey trouble
@@ -474,3 +478,56 @@ class WakeListener:
             return "unknown"
         text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
         return text[:40]
+
+
+class ValkeyUnavailable(Exception):
+    """Valkey did not answer a script call (unreachable, timed out, refused the command).
+
+    Attributes:
+        error_type: The underlying redis-py/OS error's class name (for logs; never its text,
+            which may carry the URL).
+    """
+
+    def __init__(self, error_type: str) -> None:
+        self.error_type = error_type
+        super().__init__(f"Valkey unavailable ({error_type})")
+
+
+class ScriptRunner:
+    """Runs Lua scripts atomically on Valkey, for callers that may not import redis.
+
+    Scripts are loaded once and called by SHA (``EVALSHA``; redis-py's ``Script`` reloads
+    a script a restarted server forgot). Every failure surfaces as
+    :class:`ValkeyUnavailable`, so a caller decides its own fallback without knowing
+    redis-py's exception types. The client has the same short timeouts and no retries as
+    the waker's: a hung Valkey costs at most ``timeout_seconds`` per call.
+
+    Args:
+        url: Valkey/Redis URL (``valkey_url``).
+        timeout_seconds: Connect and command timeout of each call.
+
+    Raises:
+        ConfigurationError: ``url`` is not a Valkey/Redis URL.
+    """
+
+    def __init__(self, url: str, *, timeout_seconds: float) -> None:
+        self.url = url
+        self._client = _client(url, timeout_seconds)
+        self._scripts: dict[str, Any] = {}
+
+    def run(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        """Run ``script`` (Lua source) with ``KEYS``/``ARGV``; returns Valkey's reply.
+
+        Raises:
+            ValkeyUnavailable: Valkey did not answer, or refused the script.
+        """
+        registered = self._scripts.get(script)
+        if registered is None:
+            registered = self._scripts[script] = self._client.register_script(script)
+        try:
+            return registered(keys=keys, args=args)
+        except (redis.RedisError, OSError) as exc:
+            raise ValkeyUnavailable(type(exc).__name__) from None
+
+    def close(self) -> None:
+        self._client.close()

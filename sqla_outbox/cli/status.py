@@ -124,6 +124,7 @@ def _render_status(report: Any) -> None:
             )
         out.print(shown)
     _render_workers(out, report)
+    _render_flow_control(out, report.flow_control)
     if report.parked:
         shown = table(
             f"Parked outbox rows: SQS refuses them ({report.parked_count}; `outbox unpark` after a fix)",
@@ -184,4 +185,54 @@ def _render_workers(out: Any, report: Any) -> None:
         )
         for w in report.waiting_for_a_worker:
             shown.add_row(styled(w.task, "red"), w.queue, str(w.pending), format_age(w.waited_seconds))
+        out.print(shown)
+
+
+BREAKER_STYLE = {"open": "red", "half_open": "yellow"}
+
+
+def _render_flow_control(out: Any, flow: Any) -> None:
+    """Per-task limits in use and circuit-breaker states (read from Valkey)."""
+    if flow is None:
+        return
+    if flow.error:
+        out.print(styled(f"Flow control: {flow.error}", "red"))
+        return
+    if flow.tasks:
+        shown = table(
+            "Per-task limits (all workers)",
+            ("task", "running / concurrency", "admitted / rate limit", "breaker"),
+        )
+        for t in flow.tasks:
+            running = f"{t.running} / {t.concurrency}" if t.concurrency else "-"
+            if t.concurrency and t.running >= t.concurrency:
+                running = styled(running, "yellow")
+            rate = (
+                f"{t.admitted_in_window} / {t.rate_count} per {format_age(t.period_seconds)}"
+                if t.rate_count
+                else "-"
+            )
+            shown.add_row(t.task, running, rate, text(t.breaker or "-"))
+        out.print(shown)
+    if flow.breakers:
+        shown = table(
+            "Circuit breakers",
+            ("breaker", "state", "failures in a row", "probe in", "probes", "since", "settings"),
+        )
+        for b in flow.breakers:
+            state = b.state.replace("_", "-")
+            policy = b.settings
+            settings = (
+                f"{policy.failures} failures → open {format_age(policy.open_seconds)}, "
+                f"{policy.successes} successes close"
+            )
+            shown.add_row(
+                b.key,
+                styled(state, BREAKER_STYLE[b.state]) if b.state in BREAKER_STYLE else state,
+                str(b.failures),
+                format_age(b.open_for_seconds) if b.state == "open" else "-",
+                str(b.probes),
+                format_age(b.since_seconds) + " ago" if b.since_seconds is not None else "-",
+                settings,
+            )
         out.print(shown)

@@ -56,6 +56,7 @@ from sqla_outbox.ops import dlq, requeue, runs
 from sqla_outbox.relay import scheduling_catalog
 from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
 from sqla_outbox.wakeup import Waker
+from sqla_outbox.worker import gate
 
 logger = logging.getLogger(__name__)
 
@@ -471,8 +472,13 @@ class Pages:
 
     async def controls_page(self, request: Request) -> Response:
         identity = self.auth.identity(request)
+        flow = await run_in_threadpool(gate.snapshot, self.settings)  # read-only, from Valkey
         return self.render(
-            request, "controls.html", identity, controls=self.dashboard.actions.in_place("controls")
+            request,
+            "controls.html",
+            identity,
+            controls=self.dashboard.actions.in_place("controls"),
+            flow=flow,
         )
 
     # --- login --------------------------------------------------------------------------------

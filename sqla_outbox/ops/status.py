@@ -21,6 +21,9 @@ Four readings, each a small query or API call:
   message has waited in SQS longer than ``unreceived_after`` (default 1 day). SQS drops a
   message nobody received within the queue's retention (``sqs_message_retention_seconds``)
   without a trace; ``outbox resend`` sends such runs again;
+* **flow control** (:func:`sqla_outbox.worker.gate.snapshot`, from Valkey): per task with
+  a rate limit or concurrency cap, how much of it is in use; each circuit breaker's state
+  (closed, open with the time left until its half-open probe, half-open);
 * **SQS depths** (:func:`queue_depths`): ``ApproximateNumberOfMessages`` (visible),
   ``...NotVisible`` (in flight) and ``...Delayed`` for each source queue and DLQ. SQS
   documents these as approximate (eventually consistent, about a minute).
@@ -40,6 +43,7 @@ from sqla_outbox.config import OutboxSettings
 from sqla_outbox.ops import resend
 from sqla_outbox.sqs.client import error_code
 from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
+from sqla_outbox.worker import gate
 
 DEFAULT_STALE_AFTER_SECONDS = 900.0
 """A lease expired this long ago (15 min, the longest queue visibility) flags the run."""
@@ -172,6 +176,8 @@ class StatusReport:
         unreceived_after_seconds: Threshold used for unreceived runs.
         unreceived_count / unreceived: ``queued`` runs whose message has waited in SQS
             longer than that, and up to ``stale_limit`` of them, longest first.
+        flow_control: Per-task limits in use and breaker states (None: no ``valkey_url``
+            or not asked; ``error`` set when Valkey did not answer).
     """
 
     database_time: dt.datetime
@@ -188,6 +194,7 @@ class StatusReport:
     unreceived_after_seconds: float = resend.DEFAULT_UNRECEIVED_AFTER.total_seconds()
     unreceived_count: int = 0
     unreceived: list[resend.UnreceivedRun] = dataclasses.field(default_factory=list)
+    flow_control: gate.FlowControlState | None = None
 
 
 def pending_rows(connection: Connection) -> list[PendingRows]:
@@ -277,6 +284,7 @@ def collect(
     stale_after_seconds: float = DEFAULT_STALE_AFTER_SECONDS,
     stale_limit: int = 20,
     unreceived_after: dt.timedelta = resend.DEFAULT_UNRECEIVED_AFTER,
+    with_valkey: bool = True,
 ) -> StatusReport:
     """Take the whole report.
 
@@ -287,6 +295,7 @@ def collect(
         stale_after_seconds: See :func:`stale_running`.
         stale_limit: Most stale, parked and unreceived runs listed.
         unreceived_after: Flag ``queued`` runs whose message waited in SQS longer.
+        with_valkey: Read the flow-control state from Valkey (``valkey_url``).
 
     Raises:
         sqlalchemy.exc.DBAPIError: The database could not be read.
@@ -310,4 +319,5 @@ def collect(
         queues=None if client is None else queue_depths(client, settings),
         workers=workers,
         waiting_for_a_worker=presence.waiting_for_a_worker(connection, presence.Coverage.of(workers)),
+        flow_control=gate.snapshot(settings) if with_valkey else None,
     )

@@ -10,9 +10,11 @@ Application modules register handlers with :func:`task`; the worker imports them
 from __future__ import annotations
 
 from sqla_outbox.worker.context import Cancelled, TaskContext
+from sqla_outbox.worker.limits import Breaker
 from sqla_outbox.worker.registry import Registry, RetryPolicy, TaskDefinition, registry, task, webhook_events
 
 __all__ = [
+    "Breaker",
     "Cancelled",
     "Registry",
     "RetryPolicy",

@@ -242,6 +242,9 @@ class Worker:
 
             self.relay = Relay(self.settings, name=f"{self.worker_id}/relay")
             self.relay.start_in_thread()
+        limited = {name: d.limits for name, d in self.registry.tasks.items() if d.limits.any}
+        if limited:  # flow control: what status and the dashboard show
+            await self.io(self.runtime.gate.publish, limited)
         receivers = [asyncio.create_task(self._receiver(q), name=f"receive-{q}") for q in self.queues]
         heartbeat = asyncio.create_task(
             heartbeat_loop(self.runtime, lambda: list(self.in_flight.values())), name="heartbeat"

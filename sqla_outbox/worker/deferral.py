@@ -29,8 +29,11 @@ outbox send it again later, as a fresh message (new message id, receive count 1)
     if outcome.claim is not None:   # not deferrable: finished, leased elsewhere, foreign
         ...                         # settle it like any unclaimed message
 
-The relay picks the row up when it is due (its timer follows the earliest
-``available_at``), so no wake is needed.
+The relay picks the row up when it is due: its timer follows the earliest
+``available_at`` it knows of, so :func:`defer_message` wakes it once the deferral is
+committed (the Valkey wake, or a ``NOTIFY`` in the deferral's transaction, as
+``wake_mode`` says); the pass that wake starts finds nothing due yet and sets its timer to
+the deferred row's due time, instead of the next sweep (5 s by default) finding it late.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from sqlalchemy.engine import Connection
 
 from sqla_outbox import envelope, metrics
 from sqla_outbox.logging import log_extra, short_handle
+from sqla_outbox.types import WAKE_CHANNEL
 from sqla_outbox.worker import runs
 from sqla_outbox.worker.flight import InFlight
 from sqla_outbox.worker.runtime import Runtime
@@ -142,6 +146,7 @@ WHERE run_id = :run_id
 RETURNING status, attempts
 """
 ).bindparams(bindparam("run_id", type_=UUID(as_uuid=True)), bindparam("uncounted", type_=Integer))
+_NOTIFY = text(f"SELECT pg_notify('{WAKE_CHANNEL}', '')")
 _TRAIL = text(
     """
 INSERT INTO task_run_trail (run_id, status, attempt, receive_count, worker_id, detail)
@@ -291,9 +296,9 @@ async def defer_message(
         sqlalchemy.exc.DBAPIError: The database failed; nothing changed, the message
             comes back after its visibility timeout.
     """
-    result: DeferResult = await runtime.io(
-        runtime.in_transaction,
-        lambda conn: defer_run(
+
+    def work(conn: Connection) -> DeferResult:
+        deferred = defer_run(
             conn,
             run_id=env.run_id,
             task=env.task,
@@ -306,11 +311,16 @@ async def defer_message(
             receive_count=flight.receive_count,
             attempt=flight.attempt if flight.leased else None,
             detail=detail,
-        ),
-    )
+        )
+        if deferred.status is DeferStatus.DEFERRED and runtime.settings.wake_notify:
+            conn.execute(_NOTIFY)  # delivered at commit: the relay learns the new due time
+        return deferred
+
+    result: DeferResult = await runtime.io(runtime.in_transaction, work)
     if result.status is DeferStatus.NOT_DEFERRABLE:
         return result
     if result.status is DeferStatus.DEFERRED:
+        runtime.wake_relay()
         flight.verdict = "deferred"
         runtime.counters.deferred += 1
         metrics.RUNS_DEFERRED.labels(env.task, reason).inc()

@@ -36,6 +36,10 @@ class InFlight:
         verdict: ``succeeded``, ``retrying``, ``failed`` or ``cancelled`` once recorded.
         stop_requested: Set by the heartbeat when a committed ``Cancel`` asked the run to
             stop (the attempt then ends ``cancelled`` without waiting for the handler).
+        admission: The flow-control gate's admission while the run holds one
+            (:class:`~sqla_outbox.worker.gate.Admission`).
+        limit_outcome: How the attempt ends for the gate (``success``, ``failure``,
+            ``neutral``; None: not executed, the admission is refunded).
     """
 
     queue: str
@@ -55,6 +59,8 @@ class InFlight:
     leased: bool = False
     verdict: str | None = None
     stop_requested: asyncio.Event | None = None
+    admission: Any = None
+    limit_outcome: str | None = None
 
     def hideable_seconds(self, wanted: float, *, now: float | None = None) -> float:
         """``wanted`` seconds of visibility, cut to what SQS still allows for this message.

@@ -11,6 +11,10 @@
    run is deferred to the outbox (:mod:`sqla_outbox.worker.deferral`): the message is
    deleted and the outbox sends a fresh one later, so no attempt, no receive budget and
    no DLQ is spent on it. A run that is not ours is dead-lettered as below.
+   **Flow control** (a task with ``rate_limit``, ``concurrency`` or ``breaker``): the
+   admission gate (:mod:`sqla_outbox.worker.gate`) decides first; a refused run is
+   deferred through the outbox the same way (ADR 0014), and an admitted one gives its
+   admission back when handling ends, with the outcome its breaker counts.
 4. **Take the run's lease** (:func:`sqla_outbox.worker.runs.take_lease`). No such run
    (foreign or forged message) or a run of another task/tenant/queue → DLQ, never
    executed. A finished run → the copy is acknowledged and skipped (a failed run whose
@@ -27,12 +31,13 @@
    handler's session commits together with ``running → succeeded``.
 7. **Verdict**: success → delete; :class:`~sqla_outbox.errors.Retry` or another exception
    → ``retrying`` and ChangeMessageVisibility(backoff), or the permanent path on the
-   last allowed receive; :class:`~sqla_outbox.errors.PermanentError` or a type listed in
-   ``@task(permanent=...)`` → ``failed``, DLQ with the error context, delete; timeout →
-   transient, cancellation signalled, slot freed. A cancel request (the heartbeat saw a
-   committed ``Cancel``) → cancellation signalled, the handler's session discarded, run
-   ``cancelled``, message deleted, slot freed; any verdict the attempt tries after a
-   cancel was committed turns into ``cancelled`` too (:func:`_reconcile_lost`).
+   last allowed receive (or attempt: a deferral restarts the receive count);
+   :class:`~sqla_outbox.errors.PermanentError` or a type listed in ``@task(permanent=...)``
+   → ``failed``, DLQ with the error context, delete; timeout → transient, cancellation
+   signalled, slot freed. A cancel request (the heartbeat saw a committed ``Cancel``) →
+   cancellation signalled, the handler's session discarded, run ``cancelled``, message
+   deleted, slot freed; any verdict the attempt tries after a cancel was committed turns
+   into ``cancelled`` too (:func:`_reconcile_lost`).
 
 Database first, then SQS: if the worker dies in between, the copy that comes back finds
 the run's state and finishes the job (acknowledges, or completes the DLQ send).
@@ -52,7 +57,7 @@ from typing import Any
 from sqla_outbox import envelope, errors, metrics, tracing
 from sqla_outbox.logging import log_extra, short_handle
 from sqla_outbox.sqs.client import SQS_MAX_VISIBILITY_SECONDS
-from sqla_outbox.worker import deferral, execute, runs
+from sqla_outbox.worker import deferral, execute, gate, runs
 from sqla_outbox.worker.context import bounded_detail
 from sqla_outbox.worker.flight import InFlight
 from sqla_outbox.worker.outcome import backoff_seconds, transient_delay, utc_now_text
@@ -177,6 +182,47 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
         if deferred.claim is not None:
             await _settle_unclaimed(runtime, flight, deferred.claim)
         return
+    if definition.limits.any:
+        verdict = await runtime.io(runtime.gate.admit, env.task, definition.limits, env.run_id)
+        if verdict.admission is None:
+            await _throttled(runtime, flight, env, verdict)
+            return
+        flight.admission = verdict.admission
+    try:
+        await _claim_and_run(runtime, flight, env, definition)
+    finally:
+        if flight.admission is not None:
+            # not awaited: a shutdown's cancellation must not skip it; a slot Valkey does not
+            # hear about expires with its lease
+            asyncio.get_running_loop().run_in_executor(
+                None, runtime.gate.release, flight.admission, flight.limit_outcome or "refund"
+            )
+            flight.admission = None
+
+
+async def _throttled(
+    runtime: Runtime, flight: InFlight, env: envelope.Envelope, verdict: gate.Verdict
+) -> None:
+    """The gate refused the run: defer it through the outbox (no attempt, no receive, no DLQ
+    spent; ADR 0014), due when the gate says it may run (rate limit, open breaker) or after
+    a growing delay (full concurrency cap, busy half-open probes)."""
+    assert verdict.reason is not None
+    wait = verdict.wait_seconds
+    delay: deferral.Delay = (
+        gate.spread(wait)
+        if wait is not None
+        else lambda deferrals: gate.throttle_delay(runtime.settings, deferrals)
+    )
+    deferred = await deferral.defer_message(
+        runtime, flight, env, reason=verdict.reason, delay_seconds=delay, detail={"throttled": verdict.reason}
+    )
+    if deferred.claim is not None:
+        await _settle_unclaimed(runtime, flight, deferred.claim)
+
+
+async def _claim_and_run(
+    runtime: Runtime, flight: InFlight, env: envelope.Envelope, definition: TaskDefinition
+) -> None:
     claim = await runtime.io(
         runtime.in_transaction,
         lambda conn: runs.take_lease(
@@ -303,10 +349,12 @@ async def _execute(
                 await _until_stopped(_with_timeout(asyncio.shield(future), timeout), stop)
     except _StopRequested:  # record `cancelled` (mark_cancelled), delete the message
         ctx.cancel_event.set()
+        flight.limit_outcome = "neutral"
         await _reconcile_lost(runtime, flight)
         return
     except _TimedOut:
         ctx.cancel_event.set()
+        flight.limit_outcome = "failure"
         assert timeout is not None
         await _transient(
             runtime, flight, attempt, errors.AttemptTimeout(timeout), limit, definition, trace=None
@@ -314,17 +362,22 @@ async def _execute(
         return
     except asyncio.CancelledError:
         ctx.cancel_event.set()
+        flight.limit_outcome = "neutral"
         raise
     except execute.LeaseLost:
+        flight.limit_outcome = "neutral"
         await _reconcile_lost(runtime, flight)
         return
     except errors.Retry as exc:
+        flight.limit_outcome = "failure"
         await _transient(
             runtime, flight, attempt, exc, limit, definition, trace=None, delay=exc.delay_seconds
         )
         return
     except Exception as exc:
         trace = "".join(tb.format_exception(exc))
+        # a breaker counts what says the integration is unwell, not bad input (ADR 0014)
+        flight.limit_outcome = "neutral" if definition.is_permanent(exc) else "failure"
         if definition.is_permanent(exc):
             await _fail(runtime, flight, attempt, exc, reason="permanent-error", trace=trace)
         else:
@@ -334,6 +387,7 @@ async def _execute(
     finally:
         metrics.HANDLER_SECONDS.labels(env.task).observe(time.perf_counter() - started)
     flight.verdict = "succeeded"
+    flight.limit_outcome = "success"
     runtime.counters.succeeded += 1
     metrics.RUNS_FINISHED.labels(env.task, "succeeded").inc()
     _log(
@@ -364,7 +418,10 @@ async def _transient(
     ``delay`` (seconds, from :class:`~sqla_outbox.errors.Retry`) replaces the task's backoff;
     ``at_least`` (seconds, a webhook receiver's ``Retry-After``) only lengthens it.
     """
-    if flight.receive_count >= limit:
+    # attempts bound it too: a deferral (rate limit, breaker) sends a fresh message whose
+    # receive count starts again at 1, while attempts count every execution (ADR 0014)
+    spent = max(flight.receive_count, attempt.attempt)
+    if spent >= limit:
         await _fail(runtime, flight, attempt, exc, reason="retries-exhausted", trace=trace)
         return
     base = definition.retry.backoff_base_seconds
@@ -372,7 +429,7 @@ async def _transient(
     allowed = flight.hideable_seconds(SQS_MAX_VISIBILITY_SECONDS)
     seconds = transient_delay(
         backoff_seconds(
-            flight.receive_count,
+            spent,
             base=runtime.settings.worker_backoff_base_seconds if base is None else base,
             cap=runtime.settings.worker_backoff_max_seconds if cap is None else cap,
             allowed_seconds=allowed,

@@ -14,6 +14,10 @@ PostgreSQL which of its running runs a committed ``Cancel`` asked to stop (one
 primary-key query for all of them, :func:`~sqla_outbox.worker.runs.cancel_requests`),
 and signals those attempts: ``ctx.cancel_event`` (what the handler sees, the signal
 timeouts use) and the flight's ``stop_requested`` (the worker records ``cancelled``).
+
+Each beat also renews the Valkey leases of the concurrency slots and breaker probes
+this worker holds (:meth:`~sqla_outbox.worker.gate.Gate.renew`, every third of
+``limits_slot_lease_seconds``).
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ async def heartbeat_loop(
     while True:
         await asyncio.sleep(interval_seconds)
         try:
+            if runtime.gate.held:  # concurrency slot leases (flow control)
+                await runtime.io(runtime.gate.renew)
             current = list(flights())
             await beat(runtime, current)
             if time.monotonic() - checked_at >= runtime.settings.worker_cancel_check_seconds:

@@ -31,6 +31,7 @@ from sqla_outbox import errors, maintenance, webhooks
 from sqla_outbox.catalog import Catalog, Scope, TaskSpec
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.types import QUEUE_NAMES
+from sqla_outbox.worker.limits import Breaker, TaskLimits
 
 DEFAULT_TIMEOUT_SECONDS: dict[str, float] = {
     "critical": 30.0,
@@ -85,6 +86,7 @@ class TaskDefinition:
         schedule: ``{"cron": ...}`` or ``{"every_seconds": ...}`` for recurring runs.
         is_async: The handler is a coroutine function.
         takes_context: The handler takes ``(payload, ctx)`` rather than ``(payload)``.
+        limits: Rate limit, concurrency cap and breaker (:mod:`sqla_outbox.worker.limits`).
     """
 
     name: str
@@ -99,6 +101,7 @@ class TaskDefinition:
     description: str | None = None
     is_async: bool = False
     takes_context: bool = True
+    limits: TaskLimits = dataclasses.field(default_factory=TaskLimits)
 
     def effective_timeout(self) -> float | None:
         """Seconds an attempt may run, or None for no limit."""
@@ -135,6 +138,9 @@ class Registry:
 
     def __init__(self) -> None:
         self.tasks: dict[str, TaskDefinition] = {}
+        self.breakers: dict[str, Breaker] = {}
+        """Breaker settings by integration key (the defaults unless a task declared them)."""
+        self._explicit_breakers: dict[str, Breaker] = {}
 
     @classmethod
     def with_builtins(cls) -> Registry:
@@ -214,14 +220,29 @@ class Registry:
         subscribes: Iterable[str] = (),
         schedule: Mapping[str, Any] | None = None,
         description: str | None = None,
+        rate_limit: str | None = None,
+        concurrency: int | None = None,
+        breaker: str | Breaker | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator registering a handler for ``name``.
+
+        Flow control (``docs/flow-control.md``), enforced across all worker processes;
+        a run held back by any of them is deferred through the outbox, spending no
+        attempt and no receive:
+
+        * ``rate_limit``: ``"N/s"``, ``"N/m"``, ``"N/h"`` or ``"N/<K><unit>"`` (``"100/m"``,
+          ``"10/30s"``): at most N runs start in any such sliding window.
+        * ``concurrency``: at most this many runs of the task at once (1..10,000).
+        * ``breaker``: an integration key (``"payments-api"``; several tasks may share it)
+          or a :class:`~sqla_outbox.worker.limits.Breaker` with its settings.
 
         Raises:
             ConfigurationError: Unknown queue or scope, a bad timeout, a name or event name
                 outside ``[A-Za-z0-9_.:-]{1,200}``, a bad schedule (cron expression or
-                interval), or ``name`` already registered to another function. Raised
-                when the module is imported, not later when the catalog is written.
+                interval), a bad ``rate_limit``/``concurrency``/``breaker`` or breaker
+                settings that conflict with another task's, or ``name`` already registered
+                to another function. Raised when the module is imported, not later when
+                the catalog is written.
         """
         if queue not in QUEUE_NAMES:
             raise errors.ConfigurationError(
@@ -238,6 +259,13 @@ class Registry:
                 f"{{'every_seconds': 3600}}, got {type(schedule).__name__}",
                 option="@task(schedule)",
             )
+        limits = TaskLimits.declare(
+            name,
+            rate_limit=rate_limit,
+            concurrency=concurrency,
+            breaker=breaker,
+            known_breakers=self._explicit_breakers,
+        )
 
         def decorate(handler: Callable[..., Any]) -> Callable[..., Any]:
             existing = self.tasks.get(name)
@@ -272,6 +300,7 @@ class Registry:
                 description=description or (inspect.getdoc(handler) or "").split("\n")[0] or None,
                 is_async=inspect.iscoroutinefunction(handler),
                 takes_context=len(parameters) >= 2,
+                limits=limits,
             )
             try:  # the catalog's own rules (name pattern, schedule), checked at import time
                 Catalog.build([definition.spec()], {event: [name] for event in definition.subscribes})
@@ -279,6 +308,13 @@ class Registry:
                 where = f"{handler.__module__}.{getattr(handler, '__qualname__', handler)}"
                 raise errors.ConfigurationError(f"task {name!r} ({where}): {exc}", option="@task") from None
             self.tasks[name] = definition
+            if limits.breaker is not None:
+                key = limits.breaker.key
+                if isinstance(breaker, Breaker):
+                    self._explicit_breakers[key] = limits.breaker
+                    self.breakers[key] = limits.breaker
+                else:
+                    self.breakers.setdefault(key, limits.breaker)
             return handler
 
         return decorate
@@ -303,7 +339,8 @@ class Registry:
             ``max_receives`` not below the ``max_receive_count`` setting (SQS would move
             messages to the DLQ before the worker records a verdict). The worker refuses
             that conflict at start against each queue's actual ``RedrivePolicy``, which
-            may differ from the setting.
+            may differ from the setting. Tasks with flow control but no ``valkey_url``
+            (limits then hold per process only).
 
         Raises:
             ConfigurationError: No task besides the built-in ones is registered (the task
@@ -345,6 +382,12 @@ class Registry:
                     "pip install greenlet",
                     option="@task",
                 )
+        limited = sorted(d.name for d in self.tasks.values() if d.limits.any)
+        if limited and not settings.valkey_url:
+            warnings.append(
+                f"tasks {', '.join(limited)} declare rate limits, concurrency caps or breakers, but no "
+                "valkey_url is set: each worker process enforces them on its own, not across the fleet"
+            )
         served = {d.queue for d in self.tasks.values()}
         return warnings + [
             f"no registered task uses queue {queue!r}: this worker would hand its messages back to the outbox"

@@ -23,7 +23,9 @@ from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.events import install
 from sqla_outbox.sqs.client import QueueDirectory
+from sqla_outbox.wakeup import Waker
 from sqla_outbox.worker.acks import AckBatcher
+from sqla_outbox.worker.gate import Gate
 from sqla_outbox.worker.outcome import Outcomes
 from sqla_outbox.worker.registry import Registry
 
@@ -65,6 +67,7 @@ class Runtime:
         directory: Queue URLs. outcomes: Delete/retry/dead-letter calls. acks: Batched
             deletes. counters: :class:`WorkerCounters`.
         visibility: Queue → its SQS visibility timeout in seconds, read at start.
+        gate: The admission gate of tasks with rate limits, concurrency caps or breakers.
     """
 
     def __init__(
@@ -90,10 +93,12 @@ class Runtime:
         self.outcomes = Outcomes(client, self.directory, max_message_bytes=settings.max_message_bytes)
         self.acks = AckBatcher(client, self.directory, self.io)
         self.counters = WorkerCounters()
+        self.gate = Gate(settings, breakers=registry.breakers, worker_id=worker_id)
         self.visibility: dict[str, int] = {}
         self._io_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=io_threads, thread_name_prefix="sqla-outbox-io"
         )
+        self._waker: Waker | None = None
         self._async_factory: Any = None
         self._async_engine: Any = None
 
@@ -123,8 +128,20 @@ class Runtime:
         with self.engine.begin() as connection:
             return work(connection)
 
+    def wake_relay(self) -> None:
+        """Push the Valkey wake (when ``wake_mode`` uses it), off this thread: after a
+        deferral, so the relay's timer learns the deferred row's due time. Never blocks."""
+        if self.settings.wake_valkey_url is None:
+            return
+        if self._waker is None:
+            self._waker = Waker(self.settings)
+        self._waker.wake()
+
     async def close(self) -> None:
         """Stop the I/O threads (without waiting) and dispose of the async engine."""
         self._io_pool.shutdown(wait=False)
+        self.gate.close()
+        if self._waker is not None:
+            self._waker.close()
         if self._async_engine is not None:
             await self._async_engine.dispose()

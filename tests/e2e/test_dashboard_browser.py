@@ -207,6 +207,7 @@ def test_an_operator_watches_runs_flow_then_requeues_a_failed_run_that_succeeds(
         screenshot(page, "schedules")
         page.click("nav >> text=Controls")
         assert page.locator("#no-controls").is_visible()
+        assert page.locator("#flow-control #breakers").is_visible()  # read-only breaker states
         screenshot(page, "controls")
         assert errors == []
     assert [row.worker_id for row in trail(engine, failing) if row.status == "queued"][

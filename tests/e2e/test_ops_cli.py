@@ -155,6 +155,7 @@ def test_status_prints_tables_and_a_json_document(
         "unreceived_after_seconds",
         "unreceived_count",
         "unreceived",
+        "flow_control",
     }
     assert {(p["table"], p["queue"], p["pending"], p["due"]) for p in document["pending"]} == {
         ("platform_outbox_messages", "default", 1, 1),
