@@ -42,7 +42,9 @@ from psycopg import sql
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    # last, not first: for `tests.support`; a library snapshot on PYTHONPATH (run_all.sh's
+    # BENCH_SNAPSHOT, ab.py's baseline) must win over the checkout's sqla_outbox
+    sys.path.append(str(ROOT))
 
 from tests.support import MotoServer, reset_moto  # noqa: E402
 
