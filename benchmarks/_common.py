@@ -157,7 +157,9 @@ def create_database(server_url: str, name: str, *, migrate: bool = True) -> Benc
 
 @contextlib.contextmanager
 def bench_database(args: argparse.Namespace, name: str) -> Iterator[BenchDatabase]:
-    db = create_database(args.pg_url, name)
+    # the pid keeps two runs on one server (other sessions' benchmarks) from dropping each
+    # other's database
+    db = create_database(args.pg_url, f"{name}_{os.getpid()}")
     try:
         yield db
     finally:
