@@ -37,7 +37,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
 
 from sqla_outbox import errors, webhook_fanout
-from sqla_outbox.dispatch import Dispatch, Prepared, PreparedRun
+from sqla_outbox.dispatch import Prepared, PreparedRun
 from sqla_outbox.types import UNFINISHED_STATUSES, WAKE_CHANNEL
 from sqla_outbox.webhook_fanout import PreparedFanout
 
@@ -130,56 +130,31 @@ _INSERT_WITH_WEBHOOKS = {
 }
 
 
-_SCALAR_RUN = """
-WITH runs AS (
-    INSERT INTO task_runs (run_id, task, event, queue, tenant_id, idempotency_key, available_at)
-    VALUES (:run_id, :task, :event, :queue, :tenant_id, :key,
-            COALESCE(CAST(:available_at AS timestamptz), clock_timestamp() + CAST(:delay AS interval)))
-    ON CONFLICT DO NOTHING
-    RETURNING run_id, tenant_id, available_at
-),"""
-"""The run of the scalar statements, with scalar parameters."""
-
-_SCALAR_BINDPARAMS = (
-    bindparam("run_id", type_=UUID(as_uuid=True)),
-    bindparam("tenant_id", type_=BigInteger),
-    bindparam("delay", type_=Interval),
-    bindparam("available_at", type_=DateTime(timezone=True)),
-    bindparam("envelope", type_=Text),
-)
-
-
 def _insert_one(table: str, notify: bool) -> Any:
     """The single-run variant: scalar parameters instead of arrays (about a third cheaper
     for the common one-dispatch flush: no array dumping, no unnest)."""
     tenant_column = "tenant_id, " if table == "outbox_messages" else ""
     tenant_value = ":tenant_id, " if table == "outbox_messages" else ""
-    ctes = f"""{_SCALAR_RUN}
+    ctes = f"""
+WITH runs AS (
+    INSERT INTO task_runs (run_id, task, event, queue, tenant_id, idempotency_key, available_at)
+    VALUES (:run_id, :task, :event, :queue, :tenant_id, :key,
+            COALESCE(CAST(:available_at AS timestamptz), clock_timestamp() + CAST(:delay AS interval)))
+    ON CONFLICT DO NOTHING
+    RETURNING run_id, available_at
+),
 rows AS (
     INSERT INTO {table} ({tenant_column}run_id, queue, envelope, available_at)
     SELECT {tenant_value}run_id, :queue, CAST(:envelope AS jsonb), available_at FROM runs
 )"""
-    return text(_finish(ctes, "SELECT runs.run_id FROM runs", notify)).bindparams(*_SCALAR_BINDPARAMS)
+    return text(_finish(ctes, "SELECT runs.run_id FROM runs", notify)).bindparams(
+        bindparam("run_id", type_=UUID(as_uuid=True)),
+        bindparam("tenant_id", type_=BigInteger),
+        bindparam("delay", type_=Interval),
+        bindparam("available_at", type_=DateTime(timezone=True)),
+        bindparam("envelope", type_=Text),
+    )
 
-
-def _insert_each(notify: bool) -> Any:
-    """The scalar statement for either outbox table (the run's ``tenant_id`` picks it), for
-    an ``executemany`` of a flush's fresh runs: one statement text, one round trip."""
-    ctes = f"""{_SCALAR_RUN}
-tenant_rows AS (
-    INSERT INTO outbox_messages (tenant_id, run_id, queue, envelope, available_at)
-    SELECT tenant_id, run_id, :queue, CAST(:envelope AS jsonb), available_at
-    FROM runs WHERE tenant_id IS NOT NULL
-),
-platform_rows AS (
-    INSERT INTO platform_outbox_messages (run_id, queue, envelope, available_at)
-    SELECT run_id, :queue, CAST(:envelope AS jsonb), available_at
-    FROM runs WHERE tenant_id IS NULL
-)"""
-    return text(_finish(ctes, "SELECT runs.run_id FROM runs", notify)).bindparams(*_SCALAR_BINDPARAMS)
-
-
-_INSERT_EACH = {notify: _insert_each(notify) for notify in (False, True)}
 
 _INSERT_ONE = {
     (table, notify): _insert_one(table, notify)
@@ -290,44 +265,23 @@ def _execute(
     if len(runs) == 1:
         run = runs[0]
         table = "platform_outbox_messages" if run.tenant_id is None else "outbox_messages"
-        result = connection.execute(_INSERT_ONE[table, notify], _one(run))
-    elif all(_fresh(run) for run in runs):
-        # new random run ids, no keys: nothing can conflict, so nothing needs to be read
-        # back; the scalar statement once per run in one pipelined executemany (psycopg)
-        # costs less than dumping nine text arrays (issue 17: 0.52 -> see docs/benchmarks.md)
-        connection.execute(_INSERT_EACH[notify], [_one(run) for run in runs])
-        return [(run.run_id, None, None) for run in runs]
+        result = connection.execute(
+            _INSERT_ONE[table, notify],
+            {
+                "run_id": run.run_id,
+                "task": run.task,
+                "event": run.event,
+                "queue": run.queue,
+                "tenant_id": run.tenant_id,
+                "key": run.idempotency_key,
+                "delay": run.delay,
+                "available_at": run.available_at,
+                "envelope": run.envelope_json,
+            },
+        )
     else:
         result = connection.execute(_INSERT[notify], _params(runs))
     return [(r[0], None, None) for r in result]
-
-
-def _one(run: PreparedRun) -> dict[str, Any]:
-    return {
-        "run_id": run.run_id,
-        "task": run.task,
-        "event": run.event,
-        "queue": run.queue,
-        "tenant_id": run.tenant_id,
-        "key": run.idempotency_key,
-        "delay": run.delay,
-        "available_at": run.available_at,
-        "envelope": run.envelope_json,
-    }
-
-
-def _fresh(run: PreparedRun) -> bool:
-    """A run that cannot meet an existing row: a ``Dispatch`` with the ``uuid4`` run id it
-    was made with, written for the first time, without an idempotency key. (A caller-chosen
-    run id, a key, a re-added object or a publish's runs take the statement that reports
-    which rows it inserted.)"""
-    source = run.source
-    return (
-        run.idempotency_key is None
-        and type(source) is Dispatch
-        and not source._explicit_run_id
-        and source.resolved_run_id is None
-    )
 
 
 def _key(run: PreparedRun) -> _Key | None:
