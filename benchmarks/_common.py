@@ -42,7 +42,9 @@ from psycopg import sql
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    # last, not first: for `tests.support`; a library snapshot on PYTHONPATH (run_all.sh's
+    # BENCH_SNAPSHOT, ab.py's baseline) must win over the checkout's sqla_outbox
+    sys.path.append(str(ROOT))
 
 from tests.support import MotoServer, reset_moto  # noqa: E402
 
@@ -155,7 +157,9 @@ def create_database(server_url: str, name: str, *, migrate: bool = True) -> Benc
 
 @contextlib.contextmanager
 def bench_database(args: argparse.Namespace, name: str) -> Iterator[BenchDatabase]:
-    db = create_database(args.pg_url, name)
+    # the pid keeps two runs on one server (other sessions' benchmarks) from dropping each
+    # other's database
+    db = create_database(args.pg_url, f"{name}_{os.getpid()}")
     try:
         yield db
     finally:

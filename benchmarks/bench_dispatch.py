@@ -277,10 +277,23 @@ def main() -> None:
         )
     report.ratio("floor: (orm+cte) / orm", pr(singles, "orm+cte(floor)", "orm"), None)
     report.ratio(
-        "dispatch / floor: (orm+dispatch) / (orm+cte)", pr(singles, "orm+dispatch", "orm+cte(floor)"), None
+        "dispatch / floor: (orm+dispatch) / (orm+cte)", pr(singles, "orm+dispatch", "orm+cte(floor)"), 0.95
+    )
+    report.ratio(
+        "the wake's cost: ((orm+dispatch nowake) - (orm+dispatch)) / orm",
+        common.median(
+            [
+                (w - d) / o
+                for w, d, o in zip(
+                    singles["orm+dispatch(nowake)"], singles["orm+dispatch"], singles["orm"], strict=True
+                )
+            ]
+        ),
+        None,
+        higher_is_better=False,
     )
     report.ratio("listeners installed, no dispatch: orm / orm_plain", pr(singles, "orm", "orm_plain"), None)
-    report.ratio("dispatch x100 / executemany x100", pr(batches, "dispatch x100", "executemany x100"), None)
+    report.ratio("dispatch x100 / executemany x100", pr(batches, "dispatch x100", "executemany x100"), 0.85)
     report.emit()
 
 

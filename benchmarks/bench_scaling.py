@@ -115,7 +115,7 @@ class FakeSqs:
 
 def _grid(text: str) -> list[tuple[int, int]]:
     out = []
-    for item in text.split(","):
+    for item in filter(None, text.split(",")):  # "" measures no relay configuration
         batch, _, conc = item.partition("x")
         out.append((int(batch), int(conc)))
     return out
@@ -236,10 +236,13 @@ def main() -> None:
         rows,
     )
     report.results = {"per_s": results, "medians": med, "cpu_s_per_item": cpu}
-    first_relay = f"relay b{grid[0][0]} c{grid[0][1]}"
+    first_relay = f"relay b{grid[0][0]} c{grid[0][1]}" if grid else ""
     for batch, conc in grid[1:]:
         name = f"relay b{batch} c{conc}"
         report.ratio(f"{name} / {first_relay}", common.paired_ratio(results, name, first_relay), None)
+    for conc in concurrencies:
+        name = f"worker c{conc}"
+        report.ratio(f"{name}: process CPU per run, ms (fake SQS)", 1000 * common.median(cpu[name]), None)
     first_worker = f"worker c{concurrencies[0]}"
     for conc in concurrencies[1:]:
         name = f"worker c{conc}"

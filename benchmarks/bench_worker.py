@@ -53,6 +53,7 @@ def main() -> None:
     p.add_argument("--db-runs", type=int, default=2000, help="runs per side in part B (default 2000)")
     p.add_argument("--no-async", action="store_true", help="skip the async-handler side")
     p.add_argument("--skip-sqs", action="store_true", help="only part B")
+    p.add_argument("--skip-db", action="store_true", help="only part A")
     args = p.parse_args()
 
     from sqlalchemy.orm import Session
@@ -121,6 +122,8 @@ def main() -> None:
                         raise RuntimeError("pre-fill incomplete")
                     return url
 
+                worker_cpu: dict[bool, list[float]] = {}
+
                 def worker_side(registry: Registry) -> float:
                     prefill()
                     counter = common.DeleteCounter(client, args.messages)
@@ -129,12 +132,16 @@ def main() -> None:
                     )
                     thread = threading.Thread(target=lambda: worker.run(handle_signals=False), daemon=True)
                     started = time.perf_counter()
+                    cpu = time.process_time()  # this process: the worker's threads (moto runs apart)
                     thread.start()
                     if not counter.done.wait(300):
                         raise RuntimeError(
                             f"worker deleted {counter.deleted} of {args.messages} within 300 s"
                         )
                     elapsed = time.perf_counter() - started
+                    worker_cpu.setdefault(registry is sync_registry, []).append(
+                        (time.process_time() - cpu) / args.messages
+                    )
                     worker.stop()
                     thread.join(60)
                     succeeded = common.count(
@@ -180,6 +187,9 @@ def main() -> None:
                 print("part A: runs/s through moto", flush=True)
                 results = common.alternate(args.rounds, sides)
 
+        db_results: dict[str, list[float]] = {}
+        if args.skip_db:
+            args.db_runs = 0
         # --- part B: the worker's database work alone ---------------------------------------
         from sqla_outbox.relay import make_engine
 
@@ -237,14 +247,18 @@ def main() -> None:
                 return len(todo) / (time.perf_counter() - started)
 
         print("part B: the worker's SQL alone, runs/s", flush=True)
-        db_results = common.alternate(
-            args.rounds,
-            {
-                "take_lease + mark_succeeded": lambda: worker_db(worker_engine),
-                "the same, no pool pre-ping": lambda: worker_db(bare_engine),
-                "the same, no envelope check": lambda: worker_db(worker_engine, check_envelope=False),
-                "floor: 2 bare UPDATE txns": floor_db,
-            },
+        db_results = (
+            {}
+            if args.skip_db
+            else common.alternate(
+                args.rounds,
+                {
+                    "take_lease + mark_succeeded": lambda: worker_db(worker_engine),
+                    "the same, no pool pre-ping": lambda: worker_db(bare_engine),
+                    "the same, no envelope check": lambda: worker_db(worker_engine, check_envelope=False),
+                    "floor: 2 bare UPDATE txns": floor_db,
+                },
+            )
         )
         worker_engine.dispose()
         bare_engine.dispose()
@@ -272,11 +286,23 @@ def main() -> None:
                 0.8,
             )
         report.results["sqs_runs_per_s"] = results
+        report.results["worker_cpu_ms_per_run"] = {
+            ("sync" if sync else "async"): [1000 * v for v in values] for sync, values in worker_cpu.items()
+        }
+        report.ratio(
+            "worker (sync): process CPU per run, ms (boto3 included, moto apart)",
+            1000 * common.median(worker_cpu[True]),
+            2.0,
+            higher_is_better=False,
+        )
         report.results["plain_client_cpu_ms_per_message"] = 1000 * common.median(plain_cpu)
         report.note(
             "boto3 client CPU per message in the plain loop (1/10 receive + 1 delete): "
             f"{1000 * common.median(plain_cpu):.2f} ms"
         )
+    if not db_results:
+        report.emit()
+        return
     dmed = {n: common.median(v) for n, v in db_results.items()}
     report.table(
         f"Part B: the worker's database work per run ({args.db_runs} runs; median of {args.rounds})",

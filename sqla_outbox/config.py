@@ -242,11 +242,25 @@ class OutboxSettings:
     worker_imports: tuple[str, ...] = _setting(
         (), "Modules to import at start so their `@task` handlers register (comma-separated)."
     )
-    worker_wait_seconds: int = _setting(20, "ReceiveMessage long-poll wait (SQS allows 0..20).", unit="s")
+    worker_wait_seconds: int = _setting(
+        1,
+        "ReceiveMessage long-poll wait (SQS allows 0..20). Also the longest an idle worker's stop "
+        "waits for its pending poll (SQS has no way to cancel one): 1 s stops an idle worker within "
+        "2 s of SIGTERM; 20 s saves empty receives (one per queue per wait when idle) but a stop "
+        "then takes up to 20 s. See decision 0017.",
+        unit="s",
+    )
     worker_max_receives: int = _setting(
         5,
         "A transient failure on this receive (ApproximateReceiveCount) takes the "
         "permanent path: DLQ and run failed.",
+    )
+    worker_db_pool_size: int = _setting(
+        4,
+        "Most PostgreSQL connections a worker process holds for its own SQL and its handlers' "
+        "sessions (one pool for sync handlers, one more of the same size once an async handler "
+        "runs; no overflow). A checkout waits when all are busy. Little's law sizes it: runs/s "
+        "per worker x seconds a run holds a connection (see docs/deployment.md).",
     )
     worker_stop_budget_seconds: float = _setting(
         20.0,
@@ -691,6 +705,7 @@ def _validate(s: OutboxSettings) -> None:
         "worker_wait_seconds",
         "must be within 0..20 s (SQS ReceiveMessage WaitTimeSeconds)",
     )
+    _check(1 <= s.worker_db_pool_size <= 1000, "worker_db_pool_size", "must be within 1..1000")
     _check(s.worker_max_receives >= 1, "worker_max_receives", "must be >= 1")
     _check(s.worker_stop_budget_seconds >= 0, "worker_stop_budget_seconds", "must be >= 0")
     _check(

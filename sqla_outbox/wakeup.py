@@ -193,12 +193,14 @@ def ping(url: str, *, timeout_seconds: float = 3.0) -> None:
 class Waker:
     """Pushes the wake signal after commits (application side), off the commit path.
 
-    :meth:`wake` only puts a token on an in-process queue and returns at once; a daemon
-    thread of the waker does the LPUSH. Each commit gets its LPUSH; commits that finish
-    while a push is in flight share the next one (a single wake makes the relay read
-    everything committed before it). So a commit never waits for
-    Valkey, even when it is slow, hung or down. The thread is restarted after ``fork()``
-    (pre-forking servers), and at interpreter exit pending wakes get up to
+    :meth:`wake` only counts the commit and returns at once; a daemon thread of the waker
+    does the LPUSH. A commit that finds no push scheduled schedules one (a token on an
+    in-process queue, which wakes the thread); commits that finish while a push is
+    scheduled or in flight only add to its count and share the next one (a single wake
+    makes the relay read everything committed before it). So a commit never waits for
+    Valkey, even when it is slow, hung or down, and during a burst of commits it costs
+    a counter increment: neither a thread switch nor a Valkey round trip. The thread is
+    restarted after ``fork()`` (pre-forking servers), and at interpreter exit pending wakes get up to
     ``wake_timeout_ms`` to go out.
 
     Args:
@@ -211,11 +213,13 @@ class Waker:
             :func:`sqla_outbox.install`, before any commit depends on it.
     """
 
-    _MAX_QUEUED = 10_000
-    _MIN_PUSH_INTERVAL_SECONDS = 0.002
-    """During a burst of commits, at most one push per 2 ms: the relay's pass reads
+    _MIN_PUSH_INTERVAL_SECONDS = 0.01
+    """During a burst of commits, at most one push per 10 ms: the relay's pass reads
     everything committed before the wake it answers, so more would only cost CPU in the
-    application and Valkey. An isolated commit is pushed at once."""
+    application and Valkey (at 2 ms the pushes cost a one-dispatch transaction about 5 %
+    of its throughput: docs/benchmarks.md, issue 17). An isolated commit (none in the
+    10 ms before it) is pushed at once; a commit in a burst waits at most 10 ms, while the
+    relay is usually still busy with the burst's earlier wakes."""
 
     def __init__(self, settings: OutboxSettings) -> None:
         self.url = settings.wake_valkey_url
@@ -229,6 +233,9 @@ class Waker:
         self._suppressed_until = 0.0
         self._in_outage = False
         self._queue: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._count_lock = threading.Lock()
+        self._waiting = 0  # commits since the last push took its count
+        self._scheduled = False  # a token is on the queue or being waited out
         self._busy = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
@@ -240,8 +247,12 @@ class Waker:
             return
         if self._thread is None or self._pid != os.getpid():
             self._start()
-        if self._queue.qsize() < self._MAX_QUEUED:
-            self._queue.put(1)
+        with self._count_lock:
+            self._waiting += 1
+            if self._scheduled:
+                return  # the scheduled push will count this commit too
+            self._scheduled = True
+        self._queue.put(1)
 
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until every scheduled wake went out (or failed).
@@ -251,10 +262,17 @@ class Waker:
         """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._queue.empty() and not self._busy.is_set():
+            if self._idle():
                 return True
             time.sleep(0.001)
-        return self._queue.empty() and not self._busy.is_set()
+        return self._idle()
+
+    def _idle(self) -> bool:
+        # `scheduled` first: the thread sets `busy` before it clears `scheduled`, and
+        # clears `busy` only after the push
+        with self._count_lock:
+            scheduled = self._scheduled
+        return not scheduled and not self._busy.is_set()
 
     def close(self) -> None:
         """Stop the thread (after pending wakes, up to ``wake_timeout_ms``) and disconnect."""
@@ -272,6 +290,8 @@ class Waker:
             if self._thread is not None and self._pid == os.getpid():
                 return
             self._queue = queue.SimpleQueue()  # a forked child starts afresh
+            self._count_lock = threading.Lock()
+            self._waiting, self._scheduled = 0, False
             self._pid = os.getpid()
             self._thread = threading.Thread(target=self._run, name="sqla-outbox-wake", daemon=True)
             self._thread.start()
@@ -287,17 +307,12 @@ class Waker:
             pause = last_push + self._MIN_PUSH_INTERVAL_SECONDS - time.monotonic()
             if pause > 0:  # a burst: let the commits of the next moment share this push
                 time.sleep(pause)
-            count = 1
-            while True:  # push everything already waiting in one round trip
-                try:
-                    if self._queue.get_nowait() == 0:
-                        self._closed = True
-                        break
-                    count += 1
-                except queue.Empty:
-                    break
+            with self._count_lock:  # from here on a commit schedules the next push
+                self._scheduled = False
+                count, self._waiting = self._waiting, 0
             try:
-                self._push(count)
+                if count:
+                    self._push(count)
             finally:
                 last_push = time.monotonic()
                 self._busy.clear()

@@ -44,6 +44,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -137,6 +138,17 @@ def scheduling_catalog(settings: OutboxSettings, *, warn: bool = True) -> Catalo
     return builtin_catalog()
 
 
+ENGINE_CONNECT_ARGS: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "application_name": "sqla_outbox",
+}
+"""libpq options of the relay's and the worker's engines: TCP keepalives notice a vanished
+peer within about 25 s (10 s idle, then 3 probes 5 s apart)."""
+
+
 def make_engine(settings: OutboxSettings, *, pool_size: int = 2) -> Engine:
     """Engine for relay/worker bookkeeping: pre-ping, TCP keepalives so a vanished peer is
     noticed within about 25 s, and ``hide_parameters`` so a failed statement's error never
@@ -147,13 +159,7 @@ def make_engine(settings: OutboxSettings, *, pool_size: int = 2) -> Engine:
         max_overflow=2,
         pool_pre_ping=True,
         hide_parameters=True,
-        connect_args={
-            "keepalives": 1,
-            "keepalives_idle": 10,
-            "keepalives_interval": 5,
-            "keepalives_count": 3,
-            "application_name": "sqla_outbox",
-        },
+        connect_args=dict(ENGINE_CONNECT_ARGS),
     )
 
 

@@ -37,7 +37,6 @@ from sqla_outbox import envelope, errors, metrics, presence
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import error_fields, log_extra, safe_traceback
-from sqla_outbox.relay import make_engine
 from sqla_outbox.sqs.client import (
     SQS_MAX_VISIBILITY_SECONDS,
     QueueDirectory,
@@ -49,6 +48,7 @@ from sqla_outbox.types import QUEUE_NAMES
 from sqla_outbox.worker import deferral
 from sqla_outbox.worker import handle as handling
 from sqla_outbox.worker.acks import AckBatcher
+from sqla_outbox.worker.engine import make_worker_engine
 from sqla_outbox.worker.flight import InFlight
 from sqla_outbox.worker.heartbeat import heartbeat_loop
 from sqla_outbox.worker.outcome import Outcomes
@@ -125,7 +125,7 @@ class Worker:
         registry = registry or default_registry
         concurrency = settings.worker_concurrency
         self._owns_engine = engine is None
-        engine = engine or make_engine(settings, pool_size=concurrency + 4)
+        engine = engine or make_worker_engine(settings)
         if catalog is None:
             path = Path(settings.catalog_path)
             catalog = Catalog.load(path) if path.exists() else registry.catalog()

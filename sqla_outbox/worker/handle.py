@@ -15,7 +15,8 @@
    admission gate (:mod:`sqla_outbox.worker.gate`) decides first; a refused run is
    deferred through the outbox the same way (ADR 0014), and an admitted one gives its
    admission back when handling ends, with the outcome its breaker counts.
-4. **Take the run's lease** (:func:`sqla_outbox.worker.runs.take_lease`). No such run
+4. **Take the run's lease** (:func:`sqla_outbox.worker.runs.take_lease`, in one transaction
+   with the other messages of the same receive: :mod:`sqla_outbox.worker.leases`). No such run
    (foreign or forged message) or a run of another task/tenant/queue → DLQ, never
    executed. A finished run → the copy is acknowledged and skipped (a failed run whose
    DLQ send was interrupted gets it completed). A cancelled run (``Cancel`` committed
@@ -48,10 +49,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import threading
 import time
 import traceback as tb
-from collections.abc import Callable
 from typing import Any
 
 from sqla_outbox import envelope, errors, metrics, tracing
@@ -113,36 +112,6 @@ async def _with_timeout(awaitable: Any, timeout: float | None) -> Any:
         if scope.expired():
             raise _TimedOut from None
         raise
-
-
-def _run_in_thread(fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
-    """Run ``fn`` on a new daemon thread; a thread per attempt, so a handler that ignores
-    cancellation can never starve the others of threads."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if future.done():
-            return
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)
-
-    def target() -> None:
-        try:
-            value, ok = fn(), True
-        except BaseException as exc:
-            value, ok = exc, False
-        try:
-            loop.call_soon_threadsafe(settle, ok, value)
-        except RuntimeError:  # the loop is gone (worker stopped); nothing awaits this
-            pass
-
-    threading.Thread(target=target, name=name, daemon=True).start()
-    # a handler that outlives its timeout still settles the future; nobody awaits it then
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return future
 
 
 async def handle_message(runtime: Runtime, flight: InFlight) -> None:
@@ -223,19 +192,15 @@ async def _throttled(
 async def _claim_and_run(
     runtime: Runtime, flight: InFlight, env: envelope.Envelope, definition: TaskDefinition
 ) -> None:
-    claim = await runtime.io(
-        runtime.in_transaction,
-        lambda conn: runs.take_lease(
-            conn,
-            run_id=env.run_id,
-            task=env.task,
-            tenant_id=env.tenant_id,
-            worker_id=runtime.worker_id,
-            lease_seconds=runtime.visibility[flight.queue],
-            receive_count=flight.receive_count,
-            document=env.encode(),
-            queue=env.queue,
-        ),
+    claim = await runtime.leases.take(  # with the other messages of this receive: one commit
+        run_id=env.run_id,
+        task=env.task,
+        tenant_id=env.tenant_id,
+        worker_id=runtime.worker_id,
+        lease_seconds=runtime.visibility[flight.queue],
+        receive_count=flight.receive_count,
+        document=env.encode(),
+        queue=env.queue,
     )
     if claim.status is not runs.ClaimStatus.CLAIMED:
         await _settle_unclaimed(runtime, flight, claim)
@@ -342,9 +307,8 @@ async def _execute(
                 runner = execute.run_async(runtime.async_session_factory, definition, payload, ctx, attempt)
                 await _until_stopped(_with_timeout(runner, timeout), stop)
             else:
-                future = _run_in_thread(
-                    lambda: execute.run_sync(runtime.session_factory, definition, payload, ctx, attempt),
-                    name=f"task-{env.task}",
+                future = runtime.handler_threads.run(
+                    lambda: execute.run_sync(runtime.session_factory, definition, payload, ctx, attempt)
                 )
                 await _until_stopped(_with_timeout(asyncio.shield(future), timeout), stop)
     except _StopRequested:  # record `cancelled` (mark_cancelled), delete the message

@@ -26,10 +26,18 @@ from sqla_outbox.sqs.client import QueueDirectory
 from sqla_outbox.wakeup import Waker
 from sqla_outbox.worker.acks import AckBatcher
 from sqla_outbox.worker.gate import Gate
+from sqla_outbox.worker.leases import LeaseBatcher
 from sqla_outbox.worker.outcome import Outcomes
 from sqla_outbox.worker.registry import Registry
+from sqla_outbox.worker.threads import HandlerThreads
 
 T = TypeVar("T")
+
+ACK_LINGER_SECONDS = 0.05
+"""How long a delete waits for companions (up to 10 per DeleteMessageBatch). The handler
+slot is free already (the verdict is committed), so waiting costs no throughput, and a
+busy worker fills batches sooner; at 5 ms most batches of a worker slowed by its SQS
+held 1-3 deletes, a boto3 call (about 1 ms of CPU) per 1-3 runs."""
 
 
 @dataclasses.dataclass
@@ -61,11 +69,12 @@ class Runtime:
         engine: Sync engine for the worker's own SQL and sync handlers' sessions.
         client: boto3 SQS client (thread-safe).
         io_threads: Size of the thread pool for blocking calls (boto3, the worker's SQL).
+            Sync handlers run on :class:`~sqla_outbox.worker.threads.HandlerThreads`.
 
     Attributes:
         session_factory: Installed ``sessionmaker`` of sync handlers' sessions.
         directory: Queue URLs. outcomes: Delete/retry/dead-letter calls. acks: Batched
-            deletes. counters: :class:`WorkerCounters`.
+            deletes. leases: Batched lease taking. counters: :class:`WorkerCounters`.
         visibility: Queue → its SQS visibility timeout in seconds, read at start.
         gate: The admission gate of tasks with rate limits, concurrency caps or breakers.
     """
@@ -91,7 +100,8 @@ class Runtime:
         install(self.session_factory, settings, catalog=catalog)
         self.directory = QueueDirectory(client, settings)
         self.outcomes = Outcomes(client, self.directory, max_message_bytes=settings.max_message_bytes)
-        self.acks = AckBatcher(client, self.directory, self.io)
+        self.acks = AckBatcher(client, self.directory, self.io, linger_seconds=ACK_LINGER_SECONDS)
+        self.leases = LeaseBatcher(engine, self.io)
         self.counters = WorkerCounters()
         self.gate = Gate(settings, breakers=registry.breakers, worker_id=worker_id)
         self.visibility: dict[str, int] = {}
@@ -99,6 +109,7 @@ class Runtime:
             max_workers=io_threads, thread_name_prefix="sqla-outbox-io"
         )
         self._waker: Waker | None = None
+        self.handler_threads = HandlerThreads(max_idle=settings.worker_concurrency)
         self._async_factory: Any = None
         self._async_engine: Any = None
 
@@ -106,14 +117,11 @@ class Runtime:
     def async_session_factory(self) -> Any:
         """``async_sessionmaker`` for async handlers (created, and installed, on first use)."""
         if self._async_factory is None:
-            from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+            from sqlalchemy.ext.asyncio import async_sessionmaker
 
-            self._async_engine = create_async_engine(
-                self.settings.sqlalchemy_url,
-                pool_size=self.settings.worker_concurrency,
-                pool_pre_ping=True,
-                hide_parameters=True,  # errors never carry statement parameters (payloads)
-            )
+            from sqla_outbox.worker.engine import make_worker_async_engine
+
+            self._async_engine = make_worker_async_engine(self.settings)
             self._async_factory = async_sessionmaker(self._async_engine)
             install(self._async_factory, self.settings, catalog=self.catalog)
         return self._async_factory
@@ -143,5 +151,6 @@ class Runtime:
         self.gate.close()
         if self._waker is not None:
             self._waker.close()
+        self.handler_threads.close()
         if self._async_engine is not None:
             await self._async_engine.dispose()

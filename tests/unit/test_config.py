@@ -232,3 +232,14 @@ def test_the_listen_url_is_the_direct_url_when_set() -> None:
     assert direct.listen_url == "postgresql://app:pw@db/app"
     with pytest.raises(errors.ConfigurationError, match=r"^SQLA_OUTBOX_DATABASE_DIRECT_URL: 'mysql"):
         OutboxSettings(database_direct_url="mysql://db/app")
+
+
+def test_worker_pool_size_defaults_small_and_is_validated() -> None:
+    """Issue 17: a bounded pool per worker (not concurrency + 4), and a short long poll so
+    an idle worker stops within 2 s."""
+    settings = OutboxSettings()
+    assert (settings.worker_db_pool_size, settings.worker_wait_seconds) == (4, 1)
+    assert OutboxSettings.from_env({"SQLA_OUTBOX_WORKER_DB_POOL_SIZE": "2"}).worker_db_pool_size == 2
+    for bad in (0, 1001):
+        with pytest.raises(errors.ConfigurationError, match=r"WORKER_DB_POOL_SIZE: must be within 1\.\.1000"):
+            OutboxSettings(worker_db_pool_size=bad)

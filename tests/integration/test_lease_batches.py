@@ -1,0 +1,105 @@
+"""Leases of one receive taken in one transaction (issue 17, ``worker/leases.py``), with every
+rule of ``take_lease`` intact: real PostgreSQL, real rows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from sqla_outbox import Dispatch, envelope
+from sqla_outbox.worker import runs
+from sqla_outbox.worker.leases import LeaseBatcher
+from tests.support import outbox_rows, run_row
+
+
+def _dispatch(app: sessionmaker[Session]) -> uuid.UUID:
+    with app() as session, session.begin():
+        item = Dispatch("audit", {"mode": "ok"})
+        session.add(item)
+    return item.run_id
+
+
+def _request(engine: sa.Engine, run_id: uuid.UUID, *, document: str | None = None) -> dict[str, Any]:
+    [row] = [r for r in outbox_rows(engine) if r.run_id == run_id]
+    env = envelope.decode(envelope.encode_document(row.envelope), max_bytes=262_144)
+    return {
+        "run_id": env.run_id,
+        "task": env.task,
+        "tenant_id": env.tenant_id,
+        "worker_id": "batching-worker",
+        "lease_seconds": 60,
+        "receive_count": 1,
+        "document": document or env.encode(),
+        "queue": env.queue,
+    }
+
+
+def test_one_receive_takes_its_leases_in_one_commit_and_each_gets_its_own_verdict(
+    app: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    free, held, forged = (_dispatch(app) for _ in range(3))
+    with engine.begin() as conn:  # another worker holds a live lease on `held`
+        runs.take_lease(
+            conn,
+            run_id=held,
+            task="audit",
+            tenant_id=None,
+            worker_id="other",
+            lease_seconds=60,
+            receive_count=1,
+        )
+    forged_request = _request(engine, forged)
+    document = json.loads(forged_request["document"])
+    document["payload"] = json.dumps({"mode": "evil"})
+    forged_request["document"] = json.dumps(document)
+    commits: list[Any] = []
+
+    def count(conn: Any) -> None:
+        commits.append(conn)
+
+    sa.event.listen(engine, "commit", count)
+    batcher = LeaseBatcher(engine, lambda fn, *a: asyncio.to_thread(fn, *a))
+
+    async def receive() -> list[runs.Claim]:
+        return await asyncio.gather(
+            batcher.take(**_request(engine, free)),
+            batcher.take(**_request(engine, held)),
+            batcher.take(**forged_request),
+        )
+
+    try:
+        claims = asyncio.run(receive())
+    finally:
+        sa.event.remove(engine, "commit", count)
+    assert [c.status for c in claims] == [
+        runs.ClaimStatus.CLAIMED,
+        runs.ClaimStatus.LEASED,
+        runs.ClaimStatus.MISMATCH,
+    ]
+    assert len(commits) == 1
+    assert (run_row(engine, free).status, run_row(engine, free).lease_owner) == ("running", "batching-worker")
+    assert (run_row(engine, held).lease_owner, run_row(engine, held).attempts) == ("other", 1)
+    assert (run_row(engine, forged).status, run_row(engine, forged).attempts) == ("queued", 0)
+
+
+def test_a_failing_batch_fails_every_lease_in_it_and_takes_none(
+    app: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    first, second = _dispatch(app), _dispatch(app)
+    broken = _request(engine, second)
+    broken["lease_seconds"] = "not a number"  # the database refuses the statement
+    batcher = LeaseBatcher(engine, lambda fn, *a: asyncio.to_thread(fn, *a))
+
+    async def receive() -> list[Any]:
+        return await asyncio.gather(
+            batcher.take(**_request(engine, first)), batcher.take(**broken), return_exceptions=True
+        )
+
+    outcomes = asyncio.run(receive())
+    assert all(isinstance(o, sa.exc.DBAPIError) for o in outcomes)
+    assert (run_row(engine, first).status, run_row(engine, first).attempts) == ("queued", 0)
