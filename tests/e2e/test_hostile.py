@@ -150,10 +150,16 @@ def test_tricky_payloads_reach_a_real_handler_byte_for_byte(
 def test_oversized_body_is_refused_before_parsing(
     engine: sa.Engine, settings: OutboxSettings, sqs_endpoint: str, sqs: Any, queues: dict[str, str]
 ) -> None:
-    """A body over the worker's limit (here 64 KiB) is not even parsed; the DLQ gets a summary."""
+    """A body over the worker's limit (here 64 KiB) is not even parsed; the DLQ gets a summary.
+    The queues match the worker's limit when it starts (it refuses larger ones); someone with
+    rights on the queue raises its MaximumMessageSize afterwards."""
+    for name, url in queues.items():
+        if not name.endswith("-dlq"):
+            sqs.set_queue_attributes(QueueUrl=url, Attributes={"MaximumMessageSize": "65536"})
     worker = start_worker(settings, sqs_endpoint, SQLA_OUTBOX_MAX_MESSAGE_BYTES="65536")
     try:
         worker.wait_for_action("worker.started")
+        sqs.set_queue_attributes(QueueUrl=queues["default"], Attributes={"MaximumMessageSize": "262144"})
         sqs.send_message(QueueUrl=queues["default"], MessageBody="[" * 100_000)
         [message] = receive_all(sqs, queues["default-dlq"], expect=1, timeout=30)
         assert message["MessageAttributes"]["reason"]["StringValue"] == "malformed-envelope:too-large"
