@@ -365,3 +365,24 @@ def test_a_completion_whose_tenant_is_gone_fails_without_blocking_the_member(
     assert member == "succeeded"
     assert completion.status == "failed" and "no longer exists" in completion.last_error
     assert completion_rows(engine, group) == (1, 0)
+
+
+def test_the_completion_reads_members_results_and_a_cancelled_member_counts_as_finished(
+    app: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """Results (``task_runs.result``, issue 14 part 3) reach the completion's context; a
+    member cancelled before it ran finishes it like any final status."""
+    from sqla_outbox import Cancel
+
+    group = add_group(app, 2)
+    first, second = member_ids(engine, group)
+    with engine.begin() as conn:
+        runs.mark_succeeded(conn, take(conn, first, "w1"), result='{"seat": "12A"}')
+    with app() as session, session.begin():
+        session.add(Cancel(second))
+    with engine.connect() as conn:
+        state = groups.outcome(conn, group.completion_run_id)
+    assert state is not None
+    assert state.statuses == {str(first): "succeeded", str(second): "cancelled"}
+    assert {str(m.run_id): m.result for m in state.members}[str(first)] == {"seat": "12A"}
+    assert completion_rows(engine, group) == (1, 1)
