@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 # The submodule ``sqla_outbox.dispatch`` is imported here, before the ``dispatch()`` helper
 # below is defined: importing it later would replace the package attribute ``dispatch``.
-from sqla_outbox.dispatch import Dispatch, Publish
+from sqla_outbox.dispatch import Dispatch, Group, Publish
 
 if TYPE_CHECKING:  # the other names are imported on first use (PEP 562), not at import
     from sqla_outbox import errors
@@ -51,6 +51,7 @@ __all__ = [
     "Catalog",
     "ControlOutcome",
     "Dispatch",
+    "Group",
     "Installation",
     "OutboxSettings",
     "Publish",

@@ -19,11 +19,24 @@ Format (version 1)::
       }
     }
 
-``queue`` is one of critical, default, bulk, maintenance (default ``default``). ``scope``
+``queue`` is one of critical, default, bulk, maintenance (default ``default``) or a
+queue the catalog declares under ``queues``::
+
+      "queues": {
+        "reminders": {"visibility_timeout_seconds": 3600, "message_retention_seconds": 1209600,
+                      "max_receive_count": 7, "weight": 2}
+      }
+
+Every field of a declared queue is optional (defaults: visibility 120 s, the settings'
+``sqs_message_retention_seconds`` and ``max_receive_count``, weight 1); names are 1..40
+letters, digits, ``-`` and ``_`` and cannot be one of the four. ``docs/queues.md``. ``scope``
 is ``tenant`` (a dispatch must carry ``tenant_id``), ``platform`` (it must not), or
 ``any`` (default). ``timeout_seconds`` is the per-attempt limit the worker applies
 (optional; 0 means no limit). ``schedule`` declares a recurring platform run: ``{"cron": "<5 fields>"}`` or
-``{"every_seconds": N}``. Names are 1..200 characters of letters, digits and ``_ . : -``.
+``{"every_seconds": N}``; with ``"tenants": {"table": "tenants", "column": "id"}`` (column
+default ``id``) or ``"tenants": {"query": "SELECT id FROM tenants WHERE active"}`` it is
+fanned out: one run per listed tenant per slot (``sqla_outbox.relay.schedule``).
+Names are 1..200 characters of letters, digits and ``_ . : -``.
 The loader validates the file against a JSON Schema and then checks that every subscriber
 is a known task; errors name the file and the JSON path of the bad entry.
 """
@@ -39,7 +52,7 @@ from typing import Any, Literal
 import jsonschema
 
 from sqla_outbox import errors, types
-from sqla_outbox.types import QUEUE_NAMES
+from sqla_outbox.types import QUEUE_NAME_PATTERN, QUEUE_NAMES
 
 CATALOG_VERSION = 1
 NAME_PATTERN = rf"^{types.NAME_PATTERN}(?![\s\S])"
@@ -47,6 +60,10 @@ NAME_PATTERN = rf"^{types.NAME_PATTERN}(?![\s\S])"
 ``$``, ends it, because Python's ``$`` also matches before a trailing newline)."""
 
 Scope = Literal["tenant", "platform", "any"]
+
+_IDENTIFIER = r"^[A-Za-z_][A-Za-z0-9_$]{0,62}(\.[A-Za-z_][A-Za-z0-9_$]{0,62})?$"
+"""A table (optionally ``schema.table``) or column name of a tenant fan-out schedule:
+unquoted PostgreSQL identifiers only, at most 63 characters each (NAMEDATALEN - 1)."""
 
 SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -56,6 +73,26 @@ SCHEMA: dict[str, Any] = {
     "required": ["version", "tasks"],
     "properties": {
         "version": {"const": CATALOG_VERSION},
+        "queues": {
+            "type": "object",
+            "propertyNames": {
+                "pattern": rf"^{QUEUE_NAME_PATTERN}(?![\s\S])",
+                "not": {"enum": list(QUEUE_NAMES)},
+            },
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    # SQS SetQueueAttributes: VisibilityTimeout 0..43200 s,
+                    # MessageRetentionPeriod 60..1209600 s, maxReceiveCount 1..1000
+                    "visibility_timeout_seconds": {"type": "integer", "minimum": 0, "maximum": 43200},
+                    "message_retention_seconds": {"type": "integer", "minimum": 60, "maximum": 1209600},
+                    "max_receive_count": {"type": "integer", "minimum": 1, "maximum": 1000},
+                    "weight": {"type": "integer", "minimum": 1, "maximum": 1000},
+                    "description": {"type": "string"},
+                },
+            },
+        },
         "tasks": {
             "type": "object",
             "propertyNames": {"pattern": NAME_PATTERN},
@@ -63,18 +100,27 @@ SCHEMA: dict[str, Any] = {
                 "type": "object",
                 "additionalProperties": False,
                 "properties": {
-                    "queue": {"enum": list(QUEUE_NAMES)},
+                    "queue": {"type": "string", "pattern": rf"^{QUEUE_NAME_PATTERN}(?![\s\S])"},
                     "scope": {"enum": ["tenant", "platform", "any"]},
                     "timeout_seconds": {"type": "number", "minimum": 0},
                     "description": {"type": "string"},
                     "schedule": {
                         "type": "object",
                         "additionalProperties": False,
-                        "minProperties": 1,
-                        "maxProperties": 1,
+                        "oneOf": [{"required": ["cron"]}, {"required": ["every_seconds"]}],
                         "properties": {
                             "cron": {"type": "string", "minLength": 9},
                             "every_seconds": {"type": "number", "minimum": 1},
+                            "tenants": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "oneOf": [{"required": ["query"]}, {"required": ["table"]}],
+                                "properties": {
+                                    "query": {"type": "string", "minLength": 8},
+                                    "table": {"type": "string", "pattern": _IDENTIFIER},
+                                    "column": {"type": "string", "pattern": _IDENTIFIER},
+                                },
+                            },
                         },
                     },
                 },
@@ -99,6 +145,47 @@ SCHEMA: dict[str, Any] = {
         },
     },
 }
+
+
+DEFAULT_QUEUE_VISIBILITY_SECONDS = 120
+"""Visibility timeout of a declared queue that gives none (the ``default`` queue's)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueSpec:
+    """A queue the application declares besides the four defaults.
+
+    Attributes:
+        name: Logical name (``types.QUEUE_NAME_PATTERN``); SQS names ``<prefix><name>`` and
+            ``<prefix><name>-dlq``.
+        visibility_timeout_seconds: Visibility timeout ``provision`` gives it, 0..43200 s
+            (SQS VisibilityTimeout); the setting ``queue_visibility_timeouts`` overrides it.
+        message_retention_seconds: MessageRetentionPeriod, 60..1209600 s; None: the
+            setting ``sqs_message_retention_seconds``.
+        max_receive_count: Redrive policy maxReceiveCount, 1..1000; None: the setting
+            ``max_receive_count``.
+        weight: Share of a worker's handler slots when queues are backed up, relative to
+            critical 8, default 4, bulk 2, maintenance 1.
+        description: Free text for humans.
+    """
+
+    name: str
+    visibility_timeout_seconds: int = DEFAULT_QUEUE_VISIBILITY_SECONDS
+    message_retention_seconds: int | None = None
+    max_receive_count: int | None = None
+    weight: int = 1
+    description: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"visibility_timeout_seconds": self.visibility_timeout_seconds}
+        if self.message_retention_seconds is not None:
+            out["message_retention_seconds"] = self.message_retention_seconds
+        if self.max_receive_count is not None:
+            out["max_receive_count"] = self.max_receive_count
+        out["weight"] = self.weight
+        if self.description:
+            out["description"] = self.description
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,11 +227,13 @@ class Catalog:
         tasks: Task name → :class:`TaskSpec`.
         events: Event name → subscriber task names, in catalog order.
         source: Where the catalog came from (a path), for error messages.
+        queues: Declared queue name → :class:`QueueSpec` (the four defaults not included).
     """
 
     tasks: Mapping[str, TaskSpec]
     events: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     source: str | None = None
+    queues: Mapping[str, QueueSpec] = dataclasses.field(default_factory=dict)
 
     # --- loading -------------------------------------------------------------------------
     @classmethod
@@ -174,6 +263,17 @@ class Catalog:
         return cls.from_dict(data, source=str(path))
 
     @classmethod
+    def queue_names_at(cls, path: str | Path) -> tuple[str, ...]:
+        """The queues the catalog file at ``path`` knows (the four defaults, then declared
+        ones); only the four when there is no file there (operations commands that run
+        without a catalog).
+
+        Raises:
+            CatalogError: The file exists but is not a valid catalog.
+        """
+        return cls.load(path).queue_names() if Path(path).exists() else QUEUE_NAMES
+
+    @classmethod
     def from_dict(cls, data: Any, *, source: str | None = None) -> Catalog:
         """Validate a parsed catalog document and build the :class:`Catalog`.
 
@@ -201,6 +301,27 @@ class Catalog:
             )
             for name, spec in data["tasks"].items()
         }
+        queues = {
+            name: QueueSpec(
+                name=name,
+                visibility_timeout_seconds=spec.get(
+                    "visibility_timeout_seconds", DEFAULT_QUEUE_VISIBILITY_SECONDS
+                ),
+                message_retention_seconds=spec.get("message_retention_seconds"),
+                max_receive_count=spec.get("max_receive_count"),
+                weight=spec.get("weight", 1),
+                description=spec.get("description"),
+            )
+            for name, spec in data.get("queues", {}).items()
+        }
+        for name, task in tasks.items():
+            if task.queue not in QUEUE_NAMES and task.queue not in queues:
+                raise errors.CatalogError(
+                    f"queue {task.queue!r} is neither one of {', '.join(QUEUE_NAMES)} nor declared "
+                    "under 'queues'",
+                    path=source,
+                    pointer=f"tasks.{name}.queue",
+                )
         events: dict[str, tuple[str, ...]] = {}
         for event, spec in data.get("events", {}).items():
             for index, subscriber in enumerate(spec["subscribers"]):
@@ -222,22 +343,39 @@ class Catalog:
                     path=source,
                     pointer=f"tasks.{name}.schedule.cron",
                 )
-            if task.schedule is not None and task.scope == "tenant":
+            fans_out = task.schedule is not None and "tenants" in task.schedule
+            if task.schedule is not None and task.scope == "tenant" and not fans_out:
                 raise errors.CatalogError(
-                    "a scheduled task runs without a tenant; its scope cannot be 'tenant'",
+                    "a scheduled task runs without a tenant unless its schedule lists tenants "
+                    '("tenants": {"table": ...} or {"query": ...}); its scope cannot be \'tenant\'',
                     path=source,
                     pointer=f"tasks.{name}.schedule",
                 )
-        return cls(tasks=tasks, events=events, source=source)
+            if fans_out and task.scope == "platform":
+                raise errors.CatalogError(
+                    "a schedule fanned out to tenants dispatches with a tenant_id; "
+                    "scope 'platform' forbids it",
+                    path=source,
+                    pointer=f"tasks.{name}.schedule.tenants",
+                )
+        return cls(tasks=tasks, events=events, source=source, queues=queues)
 
     @classmethod
-    def build(cls, tasks: Iterable[TaskSpec], events: Mapping[str, Iterable[str]]) -> Catalog:
+    def build(
+        cls,
+        tasks: Iterable[TaskSpec],
+        events: Mapping[str, Iterable[str]],
+        queues: Iterable[QueueSpec] = (),
+    ) -> Catalog:
         """Build a catalog from specs (the worker's registry uses this), validated."""
-        document = {
+        document: dict[str, Any] = {
             "version": CATALOG_VERSION,
             "tasks": {t.name: t.to_dict() for t in tasks},
             "events": {e: {"subscribers": list(subs)} for e, subs in events.items()},
         }
+        declared = {q.name: q.to_dict() for q in queues}
+        if declared:
+            document["queues"] = declared
         return cls.from_dict(document)
 
     # --- queries -------------------------------------------------------------------------
@@ -253,6 +391,21 @@ class Catalog:
             where = f" ({self.source})" if self.source else ""
             raise errors.UnknownTask(name, f"not in the task catalog{where}") from None
 
+    def queue_names(self) -> tuple[str, ...]:
+        """The four default queues, then the declared ones in catalog order."""
+        return QUEUE_NAMES + tuple(self.queues)
+
+    def check_queue(self, queue: str, *, task: str) -> None:
+        """Raise :class:`~sqla_outbox.errors.UnknownQueue` (naming ``task``) unless ``queue``
+        is a default or declared queue."""
+        if queue not in QUEUE_NAMES and queue not in self.queues:
+            where = f" ({self.source})" if self.source else ""
+            raise errors.UnknownQueue(
+                task,
+                f"unknown queue {queue!r}; expected one of {', '.join(self.queue_names())} "
+                f"(declare more under 'queues' in the task catalog{where})",
+            )
+
     def subscribers(self, event: str) -> tuple[str, ...]:
         """Return the subscriber tasks of ``event`` (possibly empty).
 
@@ -266,9 +419,12 @@ class Catalog:
             raise errors.UnknownEvent(event, f"not in the task catalog{where}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        """The catalog document, with tasks and events sorted by name."""
+        """The catalog document, with tasks and events sorted by name (declared queues
+        first, when there are any)."""
+        queues = {name: self.queues[name].to_dict() for name in sorted(self.queues)}
         return {
             "version": CATALOG_VERSION,
+            **({"queues": queues} if queues else {}),
             "tasks": {name: self.tasks[name].to_dict() for name in sorted(self.tasks)},
             "events": {name: {"subscribers": list(self.events[name])} for name in sorted(self.events)},
         }

@@ -27,7 +27,7 @@ from sqlalchemy import exc as sqlalchemy_exc
 from sqlalchemy.engine import make_url
 
 from sqla_outbox import errors
-from sqla_outbox.types import QUEUE_NAMES, VISIBILITY_TIMEOUT_SECONDS
+from sqla_outbox.types import QUEUE_NAMES, VISIBILITY_TIMEOUT_SECONDS, is_queue_name
 from sqla_outbox.urls import MASK as MASK
 from sqla_outbox.urls import redact_text as redact_text
 from sqla_outbox.urls import redact_url as redact_url
@@ -176,6 +176,15 @@ class OutboxSettings:
         "Visibility timeout of the maintenance queue (applied by `provision`).",
         unit="s",
     )
+    queue_visibility_timeouts: tuple[str, ...] = _setting(
+        (),
+        "Visibility timeouts per queue as `name=seconds`, comma-separated "
+        "(`reminders=3600,critical=90`): any queue, a catalog-declared one (overriding its "
+        "`visibility_timeout_seconds`) or one of the four (overriding "
+        "`visibility_timeout_<queue>_seconds`). 0..43200 s each (SQS VisibilityTimeout). "
+        "Applied by `provision`; workers read each queue's actual value at start.",
+        unit="s",
+    )
     sqs_managed_sse: bool = _setting(
         False, "Provision queues with SQS-managed server-side encryption (SSE-SQS)."
     )
@@ -235,7 +244,8 @@ class OutboxSettings:
     # --- worker --------------------------------------------------------------------------
     worker_queues: tuple[str, ...] = _setting(
         QUEUE_NAMES,
-        "Queues this worker consumes, comma-separated, in any order (critical is always served first).",
+        "Queues this worker consumes, comma-separated, in any order (critical is always served "
+        "first): the four defaults and queues the task catalog declares (checked at start).",
         aliases=("QUEUES",),
     )
     worker_concurrency: int = _setting(8, "Handlers running at once per worker process.")
@@ -482,9 +492,20 @@ class OutboxSettings:
         """SQS queue name for a logical queue (``<prefix><queue>``)."""
         return f"{self.queue_prefix}{queue}"
 
-    def visibility_timeout_seconds(self, queue: str) -> int:
-        """The visibility timeout ``provision`` gives ``queue``'s source queue and DLQ."""
-        return int(getattr(self, f"visibility_timeout_{queue}_seconds"))
+    def visibility_timeout_seconds(self, queue: str, declared: int | None = None) -> int:
+        """The visibility timeout ``provision`` gives ``queue``'s source queue and DLQ, in s.
+
+        Precedence: ``queue_visibility_timeouts`` > ``visibility_timeout_<queue>_seconds``
+        (the four default queues) > ``declared`` (the catalog's ``visibility_timeout_seconds``
+        of a declared queue) > 120 s.
+        """
+        for entry in self.queue_visibility_timeouts:
+            name, _, seconds = entry.partition("=")
+            if name.strip() == queue:
+                return int(seconds)
+        if queue in QUEUE_NAMES:
+            return int(getattr(self, f"visibility_timeout_{queue}_seconds"))
+        return VISIBILITY_TIMEOUT_SECONDS["default"] if declared is None else declared
 
     def dlq_url_name(self, queue: str) -> str:
         """SQS dead-letter queue name for a logical queue (``<prefix><queue>-dlq``)."""
@@ -692,12 +713,25 @@ def _validate(s: OutboxSettings) -> None:
             f"visibility_timeout_{queue}_seconds",
             "must be within 0..43200 s (SQS VisibilityTimeout)",
         )
+    for entry in s.queue_visibility_timeouts:
+        name, equals, seconds = entry.partition("=")
+        _check(
+            bool(equals) and is_queue_name(name.strip()) and seconds.strip().isdigit(),
+            "queue_visibility_timeouts",
+            f"{entry!r} is not name=seconds (a queue name and a whole number of seconds)",
+        )
+        _check(
+            0 <= int(seconds) <= 43_200,
+            "queue_visibility_timeouts",
+            f"{entry!r}: must be within 0..43200 s (SQS VisibilityTimeout)",
+        )
     _check(bool(s.worker_queues), "worker_queues", "must name at least one queue")
     for queue in s.worker_queues:
-        _check(
-            queue in QUEUE_NAMES,
+        _check(  # declared queues are checked against the catalog when the worker starts
+            is_queue_name(queue),
             "worker_queues",
-            f"unknown queue {queue!r}; expected some of {', '.join(QUEUE_NAMES)}",
+            f"{queue!r} is not a queue name (1..40 letters, digits, '-' and '_'); the four "
+            f"defaults are {', '.join(QUEUE_NAMES)}",
         )
     _check(1 <= s.worker_concurrency <= 1000, "worker_concurrency", "must be within 1..1000")
     _check(

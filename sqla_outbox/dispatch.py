@@ -27,7 +27,7 @@ from sqlalchemy.orm import registry
 
 from sqla_outbox import envelope as envelope_mod
 from sqla_outbox import errors, tracing, webhook_fanout
-from sqla_outbox.types import QUEUE_NAMES, JSONPayload, is_name
+from sqla_outbox.types import JSONPayload, is_name, is_queue_name
 from sqla_outbox.webhook_fanout import PreparedFanout
 
 if TYPE_CHECKING:
@@ -69,8 +69,27 @@ class PreparedRun:
     deduplicated: bool = False
 
 
-Prepared = PreparedRun | PreparedFanout
-"""What ``session.add`` prepares and the flush writes: a run, or a webhook event's fan-out."""
+@dataclasses.dataclass
+class PreparedGroup:
+    """A group's row, ready to be written before its members (see :class:`Group`).
+
+    Attributes:
+        group_id: The group's UUID.
+        member_run_ids: The members' run ids (their runs are prepared separately).
+        completion: The completion run, prepared but written only by the database
+            trigger when the last member finishes.
+        source: The Group object.
+    """
+
+    group_id: uuid.UUID
+    member_run_ids: list[uuid.UUID]
+    completion: PreparedRun
+    source: _Scheduled
+
+
+Prepared = PreparedRun | PreparedFanout | PreparedGroup
+"""What ``session.add`` prepares and the flush writes: a run, a webhook event's fan-out, or
+a group's row."""
 
 
 class _Scheduled:
@@ -199,7 +218,9 @@ class Dispatch(_Scheduled):
     Raises:
         InvalidDispatch: Bad name, tenant, delay, available_at or idempotency key.
         PayloadNotSerializable: The payload is not plain JSON.
-        UnknownQueue: ``queue`` is not critical, default, bulk or maintenance.
+        UnknownQueue: ``queue`` is not a queue name (at construction), or neither one of
+            critical, default, bulk, maintenance nor a queue the catalog declares (at
+            ``session.add``).
     """
 
     def __init__(
@@ -219,9 +240,9 @@ class Dispatch(_Scheduled):
                 str(task), "task names are 1..200 characters of letters, digits and _ . : -"
             )
         self.task = task
-        if queue is not None and queue not in QUEUE_NAMES:
+        if queue is not None and not is_queue_name(queue):
             raise errors.UnknownQueue(
-                task, f"unknown queue {queue!r}; expected one of {', '.join(QUEUE_NAMES)}"
+                task, f"unknown queue {queue!r}: queue names are 1..40 letters, digits, '-' and '_'"
             )
         self.queue = queue
         if run_id is not None and not isinstance(run_id, uuid.UUID):
@@ -243,10 +264,11 @@ class Dispatch(_Scheduled):
         """Check against the catalog and compute the row values (called by ``session.add``).
 
         Raises:
-            UnknownTask, InvalidDispatch, EnvelopeTooLarge.
+            UnknownTask, UnknownQueue, InvalidDispatch, EnvelopeTooLarge.
         """
         spec = catalog.task(self.task)
         queue = self.queue or spec.queue
+        catalog.check_queue(queue, task=self.task)
         return [
             self._prepare_run(
                 spec,
@@ -373,6 +395,107 @@ class Publish(_Scheduled):
         return f"Publish({self.event!r}, tenant_id={self.tenant_id}, runs={len(self.runs)})"
 
 
+class Group(_Scheduled):
+    """Dispatch ``members`` together and run ``on_complete`` once, after the last one finished.
+
+    ``session.add(Group([Dispatch("reserve_seat", ...), ...], on_complete=Dispatch(
+    "confirm_booking", ...)))`` writes, in the current transaction, one ``task_groups`` row
+    and one run per member (``task_runs.group_id`` set). The completion run is prepared now
+    (checked against the catalog, its envelope built) but written only when the last
+    member leaves the unfinished statuses (queued, running, retrying): succeeded, failed
+    for good, or any other final status. A database trigger does it in the member's own
+    finishing transaction, under a lock on the group row, so members finishing at the same
+    moment on different workers write it exactly once, and a worker killed before its
+    finishing transaction committed leaves it to the attempt that commits
+    (``docs/groups.md``, ADR 0016).
+
+    The completion handler reads the members' statuses (and results, where runs have
+    them) with :func:`sqla_outbox.groups.outcome` (``ctx.group()`` in a handler).
+
+    Args:
+        members: One or more :class:`Dispatch` objects, without ``idempotency_key`` or
+            ``run_id`` (a member must be a new run, counted once).
+        on_complete: The completion :class:`Dispatch`; its ``tenant_id``, ``queue`` and
+            ``delay`` apply (counted from the last member's finish); no
+            ``available_at``, ``idempotency_key`` or ``run_id``.
+        group_id: The group's UUID (default: random).
+
+    Attributes:
+        group_id: The group's UUID. completion_run_id: The completion run's id (the run
+            exists once the group completed).
+
+    Raises:
+        InvalidDispatch: No members, a member or on_complete that is not a Dispatch, the
+            same Dispatch twice, or one carrying a forbidden option (named in the message).
+    """
+
+    def __init__(
+        self,
+        members: Sequence[Dispatch],
+        *,
+        on_complete: Dispatch,
+        group_id: uuid.UUID | None = None,
+    ) -> None:
+        members = list(members)
+        name = on_complete.task if isinstance(on_complete, Dispatch) else "group"
+        if not isinstance(on_complete, Dispatch):
+            raise errors.InvalidDispatch(name, f"on_complete must be a Dispatch, got {on_complete!r}")
+        if not members:
+            raise errors.InvalidDispatch(name, "a group needs at least one member")
+        for index, member in enumerate(members):
+            if not isinstance(member, Dispatch):
+                raise errors.InvalidDispatch(name, f"member {index} must be a Dispatch, got {member!r}")
+            if member.idempotency_key is not None or member._explicit_run_id:
+                raise errors.InvalidDispatch(
+                    member.task,
+                    f"group member {index} has an idempotency_key or run_id: a member must be a "
+                    "new run (an existing run could already be finished and would be counted twice)",
+                )
+        run_ids = [member.run_id for member in members]
+        if len(set(run_ids)) != len(run_ids) or on_complete.run_id in run_ids:
+            raise errors.InvalidDispatch(
+                name, "a Dispatch appears twice in the group (as two members, or as a member and on_complete)"
+            )
+        if on_complete.available_at is not None or on_complete.idempotency_key is not None:
+            raise errors.InvalidDispatch(
+                on_complete.task,
+                "on_complete takes no available_at or idempotency_key (it runs once, when the "
+                "last member finished; use delay to wait after that)",
+            )
+        if on_complete._explicit_run_id:
+            raise errors.InvalidDispatch(on_complete.task, "on_complete takes no run_id")
+        if group_id is not None and not isinstance(group_id, uuid.UUID):
+            raise errors.InvalidDispatch(name, f"group_id must be a uuid.UUID, got {group_id!r}")
+        self.group_id: uuid.UUID = group_id or uuid.uuid4()
+        self.members = members
+        self.on_complete = on_complete
+        self.completion_run_id = on_complete.run_id
+        self.trace = tracing.current_carrier()
+        self._prepared = None
+
+    def prepare(self, catalog: Catalog, *, max_message_bytes: int) -> list[Prepared]:
+        """Check the members and the completion against the catalog; compute the rows.
+
+        Raises:
+            UnknownTask, InvalidDispatch, EnvelopeTooLarge.
+        """
+        (completion,) = self.on_complete.prepare(catalog, max_message_bytes=max_message_bytes)
+        runs: list[Prepared] = []
+        for member in self.members:
+            member._prepared = member.prepare(catalog, max_message_bytes=max_message_bytes)
+            runs.extend(member._prepared)
+        group = PreparedGroup(
+            group_id=self.group_id,
+            member_run_ids=[member.run_id for member in self.members],
+            completion=completion,
+            source=self,
+        )
+        return [group, *runs]
+
+    def __repr__(self) -> str:
+        return f"Group({self.group_id}, members={len(self.members)}, on_complete={self.on_complete.task!r})"
+
+
 # --------------------------------------------------------------------------------------
 # mapping: Session.add accepts mapped instances only
 
@@ -401,13 +524,13 @@ def map_never_inserted(cls: type, refuse: Any) -> None:
     event.listen(cls, "before_insert", refuse)
 
 
-for _cls in (Dispatch, Publish):
+for _cls in (Dispatch, Publish, Group):
     map_never_inserted(_cls, _refuse_insert)
 
 
-def scheduled_types() -> tuple[type, ...]:
+def scheduled_types() -> tuple[type[_Scheduled], ...]:
     """The classes the listeners turn into rows."""
-    return (Dispatch, Publish)
+    return (Dispatch, Publish, Group)
 
 
 # --------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqla_outbox import charsets, errors, tracing
-from sqla_outbox.types import QUEUE_NAMES, JSONValue, is_name
+from sqla_outbox.types import JSONValue, is_name, is_queue_name
 
 VERSION = 1
 _MAX_DEPTH = 200
@@ -314,8 +314,8 @@ def decode(body: str, *, max_bytes: int) -> Envelope:
     if not is_name(task):
         raise MalformedEnvelope("bad-field", "task is not a valid task name")
     queue = _field(doc, "queue", str)
-    if queue not in QUEUE_NAMES:
-        raise MalformedEnvelope("bad-field", "queue is not a known queue")
+    if not is_queue_name(queue):  # the run row's queue is compared when the lease is taken
+        raise MalformedEnvelope("bad-field", "queue is not a valid queue name")
     tenant_id = _optional(doc, "tenant_id", int)
     if tenant_id is not None and not -(2**63) <= tenant_id < 2**63:
         raise MalformedEnvelope("bad-field", "tenant_id is out of the bigint range")

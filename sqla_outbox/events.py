@@ -67,10 +67,12 @@ from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.control_write import apply_controls
 from sqla_outbox.controls import Control
-from sqla_outbox.dispatch import Dispatch, Prepared, Publish
+from sqla_outbox.dispatch import Prepared, scheduled_types
 from sqla_outbox.logging import log_extra
 from sqla_outbox.wakeup import Waker
 from sqla_outbox.write import write_runs
+
+SCHEDULED = scheduled_types()
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +134,7 @@ class Installation:
 
     # --- hooks ---------------------------------------------------------------------------
     def _before_attach(self, session: Session, instance: object) -> None:
-        if isinstance(instance, (Dispatch, Publish)):
+        if isinstance(instance, SCHEDULED):
             if "_prepared" not in vars(instance):  # made by the ORM (merge), not by __init__
                 kind = type(instance).__name__
                 raise TypeError(f"session.merge() of a {kind} is not supported: add it with session.add()")
@@ -150,7 +152,7 @@ class Installation:
         # listener, an audit pattern, or a mapper event) would otherwise be INSERTed as
         # itself by this flush, whose plan no longer passes through _before_flush: take it
         # out now; after_flush (or before_commit, or the next flush) writes its rows.
-        if isinstance(instance, (Dispatch, Publish)) and getattr(session, "_flushing", False):
+        if isinstance(instance, SCHEDULED) and getattr(session, "_flushing", False):
             session.expunge(instance)
             assert instance._prepared is not None
             _state(session).deferred.extend(instance._prepared)
@@ -159,7 +161,7 @@ class Installation:
             _state(session).controls.append(instance)
 
     def _before_flush(self, session: Session, flush_context: Any, instances: Any) -> None:
-        scheduled = [obj for obj in session.new if isinstance(obj, (Dispatch, Publish, Control))]
+        scheduled = [obj for obj in session.new if isinstance(obj, (*SCHEDULED, Control))]
         known = session.info.get(_STATE_KEY)
         if not scheduled and (known is None or not (known.deferred or known.controls)):
             return

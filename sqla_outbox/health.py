@@ -232,16 +232,18 @@ def _check_listen(settings: OutboxSettings) -> CheckResult:
 
 
 def _check_queues(settings: OutboxSettings) -> CheckResult:
+    from sqla_outbox.catalog import Catalog
     from sqla_outbox.sqs.client import QueueDirectory, error_code, make_client
-    from sqla_outbox.types import QUEUE_NAMES
 
     try:
+        queues = Catalog.queue_names_at(settings.catalog_path)  # the four, plus declared ones
+    except errors.CatalogError as exc:
+        return CheckResult("sqs", False, f"catalog: {exc}")
+    try:
         directory = QueueDirectory(make_client(settings, max_attempts=1), settings)
-        for queue in QUEUE_NAMES:
+        for queue in queues:
             directory.url(queue)
             directory.dlq_url(queue)
     except Exception as exc:
         return CheckResult("sqs", False, f"{error_code(exc)} (run `python -m sqla_outbox provision`)")
-    return CheckResult(
-        "sqs", True, f"{len(QUEUE_NAMES)} queues and DLQs with prefix {settings.queue_prefix!r}"
-    )
+    return CheckResult("sqs", True, f"{len(queues)} queues and DLQs with prefix {settings.queue_prefix!r}")

@@ -13,6 +13,9 @@ What is deleted (SPEC "Maintenance"; issue 6, item 3):
   30 days), each with its ``task_run_trail`` rows (foreign key ``ON DELETE CASCADE``).
   Runs that are ``queued``, ``running`` or ``retrying`` are never deleted, and neither is
   a finished run whose outbox row is pending again (a requeue in progress).
+* **completed groups** (``task_groups``) whose last member finished longer ago than
+  ``purge_succeeded_after_days`` and whose completion run is no longer unfinished (its
+  handler reads the group). Groups still waiting for members are never deleted.
 
 How (so it never blocks the relay or the worker):
 
@@ -171,6 +174,32 @@ FROM task_runs AS r WHERE {where}
     return _Category(name=f"{status}_runs", table="task_runs", delete_sql=delete, count_sql=count)
 
 
+# A completed group is kept while its completion run is unfinished: the completion
+# handler reads the members' statuses from it (sqla_outbox.groups.outcome).
+_GROUP_FILTER = f"""
+    g.completed_at < :cutoff
+    AND NOT EXISTS (SELECT 1 FROM task_runs r
+                    WHERE r.run_id = g.completion_run_id AND r.status IN ({_UNFINISHED}))
+"""
+
+
+def _group_category() -> _Category:
+    delete = text(
+        f"""
+WITH doomed AS (
+    SELECT g.id FROM task_groups AS g WHERE {_GROUP_FILTER}
+    ORDER BY g.completed_at LIMIT :limit FOR UPDATE SKIP LOCKED
+),
+gone AS (DELETE FROM task_groups AS t USING doomed WHERE t.id = doomed.id RETURNING 1)
+SELECT (SELECT count(*) FROM gone) AS deleted, 0 AS trail_rows
+"""
+    ).bindparams(bindparam("cutoff", type_=_TIMESTAMPTZ), bindparam("limit", type_=Integer))
+    count = text(
+        f"SELECT count(*) AS deleted, 0 AS trail_rows FROM task_groups AS g WHERE {_GROUP_FILTER}"
+    ).bindparams(bindparam("cutoff", type_=_TIMESTAMPTZ))
+    return _Category(name="completed_groups", table="task_groups", delete_sql=delete, count_sql=count)
+
+
 _CATEGORIES = (
     (_outbox_category("outbox_messages"), "sent"),
     (_outbox_category("platform_outbox_messages"), "sent"),
@@ -178,6 +207,7 @@ _CATEGORIES = (
     (_run_category("failed"), "failed"),
     # cancelled runs go on the succeeded runs' schedule: nothing is left to look into
     (_run_category("cancelled"), "succeeded"),
+    (_group_category(), "succeeded"),
 )
 
 
@@ -187,7 +217,8 @@ class PurgeCount:
 
     Attributes:
         category: ``outbox_messages``, ``platform_outbox_messages``, ``succeeded_runs``,
-            ``failed_runs`` or ``cancelled_runs`` (purged after ``purge_succeeded_after_days``).
+            ``failed_runs``, ``cancelled_runs`` (purged after ``purge_succeeded_after_days``) or
+            ``completed_groups``.
         table: The table rows are deleted from.
         cutoff: Rows older than this (``sent_at`` for outbox rows, ``finished_at`` for
             runs; database clock, UTC) are deleted.

@@ -35,6 +35,7 @@ from sqlalchemy import (
     Identity,
     Index,
     Integer,
+    Interval,
     MetaData,
     Table,
     Text,
@@ -200,6 +201,8 @@ class TaskRun(Base):
             transaction that marks the run ``succeeded`` (at most ``result_max_bytes``
             bytes of JSON); NULL when it returned None or did not succeed
             (``sqla_outbox.results``).
+        group_id: The :class:`TaskGroup` the run is a member of, or NULL. Written at
+            dispatch by ``sqla_outbox.Group``.
     """
 
     __tablename__ = "task_runs"
@@ -225,6 +228,7 @@ class TaskRun(Base):
     # sqlaob_0007: cancel requests and handler results
     cancel_requested_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
     result: Mapped[Any | None] = mapped_column(JSONB)
+    group_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
 
     __table_args__ = (
         CheckConstraint("attempts >= 0", name="attempts"),
@@ -266,6 +270,8 @@ class TaskRun(Base):
             "idempotency_key",
             postgresql_where=text("idempotency_key IS NOT NULL"),
         ),
+        # sqlaob_0008: a group's members
+        Index("task_runs_group_id_idx", "group_id", postgresql_where=text("group_id IS NOT NULL")),
     )
 
 
@@ -395,6 +401,68 @@ class ScheduleSlot(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
 
 
+class TaskGroup(Base):
+    """A group of runs dispatched together, and the run that completes it.
+
+    Written by ``session.add(sqla_outbox.Group(...))`` in the dispatching transaction;
+    updated only by the trigger ``task_runs_group_finish`` (migration sqlaob_0008), in the
+    transaction that moves a member out of the unfinished statuses.
+
+    Columns:
+        id: The group's UUID (``Group.group_id``).
+        tenant_id: Tenant of the completion run, NULL for a platform completion.
+        total: Members, >= 1. remaining: Members not finished yet, 0..total.
+        statuses: ``{run_id: status}`` of each finished member, in the status it first
+            finished with (a member requeued later is not counted again).
+        completion_run_id / completion_task / completion_queue / completion_envelope /
+            completion_delay: The completion run, prepared at dispatch and written (run
+            row and outbox row) by the trigger when ``remaining`` reaches 0.
+        created_at: Dispatch time. completed_at: When the last member finished.
+    """
+
+    __tablename__ = "task_groups"
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    tenant_id: Mapped[int | None] = mapped_column(BigInteger)
+    total: Mapped[int] = mapped_column(Integer)
+    remaining: Mapped[int] = mapped_column(Integer)
+    statuses: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    completion_run_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), unique=True)
+    completion_task: Mapped[str] = mapped_column(Text)
+    completion_queue: Mapped[str] = mapped_column(Text)
+    completion_envelope: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    completion_delay: Mapped[dt.timedelta] = mapped_column(Interval, server_default=text("'0'::interval"))
+    created_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+    completed_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
+
+    __table_args__ = (
+        CheckConstraint("total >= 1", name="total"),
+        CheckConstraint("remaining >= 0 AND remaining <= total", name="remaining"),
+        Index("task_groups_created_at_idx", "created_at"),
+    )
+
+
+class ScheduleTenantSlot(Base):
+    """The latest slot the relay dispatched for one tenant of a tenant fan-out schedule.
+
+    Columns:
+        task / tenant_id: The scheduled task and the tenant (primary key).
+        last_slot: The latest slot dispatched for this tenant (UTC).
+        run_id: The run dispatched for ``last_slot``.
+        updated_at: When the row last changed, ``clock_timestamp()``.
+
+    Written by the active relay in the transaction that writes the slot's runs.
+    """
+
+    __tablename__ = "schedule_tenant_slots"
+
+    task: Mapped[str] = mapped_column(Text, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    last_slot: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ)
+    run_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True))
+    updated_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+
+
 outbox_messages: Table = OutboxMessage.__table__  # type: ignore[assignment]
 platform_outbox_messages: Table = PlatformOutboxMessage.__table__  # type: ignore[assignment]
 task_runs: Table = TaskRun.__table__  # type: ignore[assignment]
@@ -402,6 +470,8 @@ task_run_trail: Table = TaskRunTrail.__table__  # type: ignore[assignment]
 webhook_endpoints: Table = WebhookEndpoint.__table__  # type: ignore[assignment]
 worker_presence: Table = WorkerPresence.__table__  # type: ignore[assignment]
 schedule_slots: Table = ScheduleSlot.__table__  # type: ignore[assignment]
+task_groups: Table = TaskGroup.__table__  # type: ignore[assignment]
+schedule_tenant_slots: Table = ScheduleTenantSlot.__table__  # type: ignore[assignment]
 
 
 def set_tenant_foreign_key(target: str | Column[Any] | None) -> None:

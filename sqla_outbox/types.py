@@ -52,6 +52,21 @@ class QueueName(enum.StrEnum):
 
 
 QUEUE_NAMES: tuple[str, ...] = tuple(q.value for q in QueueName)
+"""The four default queues, always present. An application declares more in its catalog
+(:class:`sqla_outbox.catalog.QueueSpec`)."""
+
+QUEUE_NAME_PATTERN = r"[A-Za-z0-9_-]{1,40}"
+"""Logical queue names: 1..40 letters, digits, ``-`` and ``_``. SQS queue names allow 1..80
+of these characters (SQS CreateQueue, QueueName); the prefix (at most 60) and ``-dlq`` must
+fit too, which provisioning checks."""
+
+_QUEUE_NAME = re.compile(QUEUE_NAME_PATTERN)
+
+
+def is_queue_name(value: object) -> bool:
+    """Whether ``value`` is a well-formed logical queue name (:data:`QUEUE_NAME_PATTERN`)."""
+    return isinstance(value, str) and _QUEUE_NAME.fullmatch(value) is not None
+
 
 VISIBILITY_TIMEOUT_SECONDS: dict[str, int] = {
     "critical": 60,

@@ -32,12 +32,12 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, Interval, Text, bindparam, text
+from sqlalchemy import BigInteger, DateTime, Integer, Interval, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
 
 from sqla_outbox import errors, webhook_fanout
-from sqla_outbox.dispatch import Prepared, PreparedRun
+from sqla_outbox.dispatch import Prepared, PreparedGroup, PreparedRun
 from sqla_outbox.types import UNFINISHED_STATUSES, WAKE_CHANNEL
 from sqla_outbox.webhook_fanout import PreparedFanout
 
@@ -204,6 +204,9 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
     """
     runs = [item for item in prepared if isinstance(item, PreparedRun)]
     fanouts = [item for item in prepared if isinstance(item, PreparedFanout)]
+    groups = [item for item in prepared if isinstance(item, PreparedGroup)]
+    if groups:
+        _write_groups(connection, groups)
     unique: list[PreparedRun] = []
     twins: list[tuple[PreparedRun, PreparedRun]] = []
     first_by_key: dict[_Key, PreparedRun] = {}
@@ -249,6 +252,8 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
     for run, earlier in twins:
         run.resolved_run_id = earlier.resolved_run_id
         run.deduplicated = True
+    for group in groups:
+        connection.execute(_JOIN_GROUP, {"group_id": group.group_id, "run_ids": group.member_run_ids})
     for item in prepared:
         item.source.record_resolution(item)
     return written
@@ -355,3 +360,50 @@ def _params(runs: Sequence[PreparedRun]) -> dict[str, Any]:
         "available_ats": [r.available_at for r in runs],
         "envelopes": [r.envelope_json for r in runs],
     }
+
+
+_INSERT_GROUPS = text(
+    """
+INSERT INTO task_groups (id, tenant_id, total, remaining, completion_run_id, completion_task,
+                         completion_queue, completion_envelope, completion_delay)
+SELECT id, tenant_id, total, total, completion_run_id, completion_task, completion_queue,
+       CAST(envelope AS jsonb), delay
+FROM unnest(CAST(:ids AS uuid[]), CAST(:tenant_ids AS bigint[]), CAST(:totals AS integer[]),
+            CAST(:completion_run_ids AS uuid[]), CAST(:tasks AS text[]), CAST(:queues AS text[]),
+            CAST(:envelopes AS text[]), CAST(:delays AS interval[]))
+     AS g(id, tenant_id, total, completion_run_id, completion_task, completion_queue, envelope, delay)
+"""
+).bindparams(
+    bindparam("ids", type_=ARRAY(UUID(as_uuid=True))),
+    bindparam("tenant_ids", type_=ARRAY(BigInteger)),
+    bindparam("totals", type_=ARRAY(Integer)),
+    bindparam("completion_run_ids", type_=ARRAY(UUID(as_uuid=True))),
+    bindparam("tasks", type_=ARRAY(Text)),
+    bindparam("queues", type_=ARRAY(Text)),
+    bindparam("envelopes", type_=ARRAY(Text)),
+    bindparam("delays", type_=ARRAY(Interval)),
+)
+
+_JOIN_GROUP = text("UPDATE task_runs SET group_id = :group_id WHERE run_id = ANY(:run_ids)").bindparams(
+    bindparam("group_id", type_=UUID(as_uuid=True)),
+    bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True))),
+)
+"""Members join their group after their runs are written (the statement sets no status, so
+the group trigger, ``AFTER UPDATE OF status``, does not fire)."""
+
+
+def _write_groups(connection: Connection, groups: Sequence[PreparedGroup]) -> None:
+    """Insert the ``task_groups`` rows (before their members exist; no foreign key ties them)."""
+    connection.execute(
+        _INSERT_GROUPS,
+        {
+            "ids": [g.group_id for g in groups],
+            "tenant_ids": [g.completion.tenant_id for g in groups],
+            "totals": [len(g.member_run_ids) for g in groups],
+            "completion_run_ids": [g.completion.run_id for g in groups],
+            "tasks": [g.completion.task for g in groups],
+            "queues": [g.completion.queue for g in groups],
+            "envelopes": [g.completion.envelope_json for g in groups],
+            "delays": [g.completion.delay for g in groups],
+        },
+    )

@@ -12,7 +12,6 @@ import click
 
 from sqla_outbox.cli.options import (
     EXIT_CHECK_FAILED,
-    QUEUE_CHOICE,
     common_options,
     duration,
     handle_errors,
@@ -20,6 +19,7 @@ from sqla_outbox.cli.options import (
     load_settings,
     outbox_connection,
     outbox_engine,
+    queue_names,
     setup_logging,
     sqs_client,
 )
@@ -35,7 +35,7 @@ def _dlq_filter_options(func: Callable[..., Any]) -> Callable[..., Any]:
                 "--queue",
                 "queues",
                 multiple=True,
-                type=QUEUE_CHOICE,
+                callback=queue_names,
                 help="Only this queue's DLQ (repeatable).",
             ),
             click.option(
@@ -87,7 +87,9 @@ def dlq_list_command(
         from sqla_outbox.ops import dlq
 
         settings = load_settings(**options)
-        filters = dlq.DeadLetterFilter(tasks=tasks, queues=queues, older_than=older_than)
+        filters = dlq.DeadLetterFilter(
+            tasks=tasks, queues=queues, older_than=older_than, known=_known_queues(settings)
+        )
         with outbox_connection(settings) as connection:
             listing = dlq.list_dead_letters(
                 sqs_client(settings), settings, filters, connection=connection, limit=limit
@@ -180,7 +182,11 @@ def dlq_requeue_command(
 
         settings = load_settings(**options)
         filters = dlq.DeadLetterFilter(
-            tasks=tasks, queues=queues, older_than=older_than, run_ids=frozenset(run_ids)
+            tasks=tasks,
+            queues=queues,
+            older_than=older_than,
+            run_ids=frozenset(run_ids),
+            known=_known_queues(settings),
         )
         waker = None if dry_run else Waker(settings)
         try:
@@ -249,3 +255,10 @@ def _render_requeue(report: Any) -> None:
         )
     for name in report.missing_queues:
         out.print(styled(f"missing DLQ {name} (run `python -m sqla_outbox provision`)", "yellow"))
+
+
+def _known_queues(settings: Any) -> tuple[str, ...]:
+    """The four queues plus those the catalog at ``catalog_path`` declares (if any)."""
+    from sqla_outbox.catalog import Catalog
+
+    return Catalog.queue_names_at(settings.catalog_path)

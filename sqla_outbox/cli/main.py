@@ -16,6 +16,7 @@ from sqla_outbox.cli.config import config_command
 from sqla_outbox.cli.dashboard import dashboard_command
 from sqla_outbox.cli.demo import demo_command
 from sqla_outbox.cli.dlq import dlq_group
+from sqla_outbox.cli.groups import groups_group
 from sqla_outbox.cli.migrate import migrate_command
 from sqla_outbox.cli.outbox import outbox_group
 from sqla_outbox.cli.provision import provision_command
@@ -46,6 +47,7 @@ for _command in (
     config_command,
     status_command,
     runs_group,
+    groups_group,
     dlq_group,
     outbox_group,
     purge_command,

@@ -27,7 +27,7 @@ from sqla_outbox import logging as outbox_logging
 from sqla_outbox.cli.terminal import echo
 from sqla_outbox.config import OutboxSettings, env_names, redact_text, redact_url
 from sqla_outbox.ops.durations import parse_duration
-from sqla_outbox.types import QUEUE_NAMES
+from sqla_outbox.types import QUEUE_NAMES, is_queue_name
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
@@ -156,7 +156,18 @@ def tenant(ctx: click.Context, param: click.Parameter, value: Any) -> int | str 
     return number
 
 
-QUEUE_CHOICE = click.Choice(QUEUE_NAMES)
+def queue_names(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    """Option callback: each value is a default or declared queue name (filters of rows in
+    the database; the catalog is not needed to filter)."""
+    for value in values:
+        if not is_queue_name(value):
+            raise click.BadParameter(
+                f"{value!r} is not a queue name (one of {', '.join(QUEUE_NAMES)} or a declared queue: "
+                "1..40 letters, digits, '-' and '_')",
+                ctx,
+                param,
+            )
+    return values
 
 
 # --- errors and exit codes -------------------------------------------------------------------

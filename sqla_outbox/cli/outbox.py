@@ -12,7 +12,6 @@ import click
 
 from sqla_outbox.cli.options import (
     EXIT_CHECK_FAILED,
-    QUEUE_CHOICE,
     common_options,
     duration,
     handle_errors,
@@ -20,6 +19,7 @@ from sqla_outbox.cli.options import (
     load_settings,
     outbox_connection,
     outbox_engine,
+    queue_names,
     setup_logging,
 )
 from sqla_outbox.cli.terminal import console, jsonable, print_json, styled, table, text, when
@@ -33,7 +33,7 @@ def _selection_options(func: Callable[..., Any]) -> Callable[..., Any]:
             ),
             click.option("--task", "tasks", multiple=True, help="Only this task (repeatable)."),
             click.option(
-                "--queue", "queues", multiple=True, type=QUEUE_CHOICE, help="Only this queue (repeatable)."
+                "--queue", "queues", multiple=True, callback=queue_names, help="Only this queue (repeatable)."
             ),
         ]
     ):

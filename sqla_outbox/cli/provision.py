@@ -15,6 +15,7 @@ from sqla_outbox.cli.options import (
     load_settings,
     setting,
     setup_logging,
+    split_list,
 )
 from sqla_outbox.cli.terminal import console, print_json, table
 
@@ -30,12 +31,20 @@ from sqla_outbox.cli.terminal import console, print_json, table
 @setting("visibility_timeout_default_seconds", "--visibility-default", type=int)
 @setting("visibility_timeout_bulk_seconds", "--visibility-bulk", type=int)
 @setting("visibility_timeout_maintenance_seconds", "--visibility-maintenance", type=int)
+@setting(
+    "queue_visibility_timeouts",
+    "--visibility",
+    metavar="QUEUE=SECONDS,...",
+    callback=lambda ctx, param, value: split_list(value),
+)
+@setting("catalog_path", "--catalog", metavar="PATH")
 @click.option("--fix", is_flag=True, help="Apply the desired attributes to queues that drifted.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def provision_command(
     verbose: int, log_format: str, traceback: bool, fix: bool, as_json: bool, **options: Any
 ) -> None:
-    """Create the four queues and their DLQs (idempotent); report attribute drift.
+    """Create the four queues, the queues the task catalog declares, and their DLQs
+    (idempotent); report attribute drift.
 
     Visibility timeouts and retention come from the settings, so a change made there
     (not by hand on the queue) is what --fix applies. Exit code 1 when an existing queue
@@ -44,10 +53,15 @@ def provision_command(
     setup_logging(verbose, log_format)
     with handle_errors(traceback):
         settings = load_settings(**options)
+        from pathlib import Path
+
+        from sqla_outbox.catalog import Catalog
         from sqla_outbox.sqs.client import make_client
         from sqla_outbox.sqs.provision import provision
 
-        reports = provision(make_client(settings), settings, fix=fix)
+        path = Path(settings.catalog_path)
+        catalog = Catalog.load(path) if path.exists() else None
+        reports = provision(make_client(settings), settings, fix=fix, catalog=catalog)
         if as_json:
             print_json([dataclasses.asdict(r) for r in reports])
         else:

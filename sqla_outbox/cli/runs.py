@@ -12,13 +12,13 @@ import click
 
 from sqla_outbox.cli.options import (
     EXIT_CHECK_FAILED,
-    QUEUE_CHOICE,
     common_options,
     duration,
     handle_errors,
     json_option,
     load_settings,
     outbox_connection,
+    queue_names,
     setup_logging,
     tenant,
 )
@@ -136,7 +136,7 @@ def _shortened(value: str) -> str:
     type=click.Choice(RUN_STATUSES),
     help="Only this status (repeatable).",
 )
-@click.option("--queue", "queues", multiple=True, type=QUEUE_CHOICE, help="Only this queue (repeatable).")
+@click.option("--queue", "queues", multiple=True, callback=queue_names, help="Only this queue (repeatable).")
 @click.option(
     "--tenant",
     "tenant_id",

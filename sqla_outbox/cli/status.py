@@ -58,9 +58,11 @@ def status_command(
     flagged), queue and DLQ depths."""
     setup_logging(verbose, log_format)
     with handle_errors(traceback):
+        from sqla_outbox.catalog import Catalog
         from sqla_outbox.ops import status
 
         settings = load_settings(**options)
+        queues = Catalog.queue_names_at(settings.catalog_path)
         with outbox_connection(settings) as connection:
             report = status.collect(
                 connection,
@@ -68,6 +70,7 @@ def status_command(
                 client=sqs_client(settings) if with_sqs else None,
                 stale_after_seconds=stale_after.total_seconds(),
                 unreceived_after=unreceived_after,
+                queues=queues,
             )
         if as_json:
             print_json(jsonable(report))

@@ -219,6 +219,9 @@ class DlqRequeue(Action):
     places = frozenset({"dlq", "run"})
     confirm_label = "Requeue"
 
+    def __init__(self, queues: tuple[str, ...] = QUEUE_NAMES) -> None:
+        self.queues = queues  # the four, plus the catalog's declared queues
+
     def applies_to_run(self, run: RunRecord) -> bool:
         return run.status == "failed"
 
@@ -231,9 +234,9 @@ class DlqRequeue(Action):
                 raise ActionInputError(f"{value!r} is not a run id", field="run_id") from None
         queues = _values(form, "queue")
         for queue in queues:
-            if queue not in QUEUE_NAMES:
+            if queue not in self.queues:
                 raise ActionInputError(
-                    f"unknown queue {queue!r}; expected one of {', '.join(QUEUE_NAMES)}", field="queue"
+                    f"unknown queue {queue!r}; expected one of {', '.join(self.queues)}", field="queue"
                 )
         tasks = _values(form, "task")
         if any(len(task) > 200 for task in tasks):
@@ -253,7 +256,11 @@ class DlqRequeue(Action):
                 "choose the runs: a run id, a queue, a task or an age, or tick 'every failed run'"
             )
         filters = dlq.DeadLetterFilter(
-            tasks=tuple(tasks), queues=tuple(queues), older_than=older_than, run_ids=frozenset(run_ids)
+            tasks=tuple(tasks),
+            queues=tuple(queues),
+            older_than=older_than,
+            run_ids=frozenset(run_ids),
+            known=self.queues,
         )
         return RequeueParams(filters=filters, everything=everything)
 
@@ -429,6 +436,7 @@ class RunsCancel(Action):
         )
 
 
-def default_actions() -> ActionRegistry:
-    """The actions that exist today: :class:`DlqRequeue` and :class:`RunsCancel`."""
-    return ActionRegistry([DlqRequeue(), RunsCancel()])
+def default_actions(queues: tuple[str, ...] = QUEUE_NAMES) -> ActionRegistry:
+    """The actions that exist today: :class:`DlqRequeue` (over ``queues``: the four, plus
+    the catalog's declared queues when given) and :class:`RunsCancel`."""
+    return ActionRegistry([DlqRequeue(queues), RunsCancel()])

@@ -92,6 +92,10 @@ class Dashboard:
         self._waker: Waker | None = None
         self._lock = threading.Lock()
         self.activity_cache = queries.ActivityCache()
+        try:  # the four, plus the queues the catalog declares
+            self.queue_names = Catalog.queue_names_at(settings.catalog_path)
+        except errors.CatalogError:
+            self.queue_names = QUEUE_NAMES
 
     # --- resources -----------------------------------------------------------------------
     def _engine(self, *, read_only: bool) -> Engine:
@@ -247,7 +251,7 @@ class Pages:
             refresh_seconds=self.settings.dashboard_refresh_seconds,
             show_payloads=self.settings.dashboard_show_payloads,
             run_statuses=RUN_STATUSES,
-            queue_names=QUEUE_NAMES,
+            queue_names=self.dashboard.queue_names,
         )
         context.setdefault("page", template.removesuffix(".html").lstrip("_"))
         response = self.templates.TemplateResponse(request, template, context, status_code=status_code)
@@ -295,7 +299,9 @@ class Pages:
         identity = self.auth.identity(request)
         size = views.RUNS_PAGE_SIZE
         try:
-            query = views.runs_query(dict(request.query_params), limit=size + 1)
+            query = views.runs_query(
+                dict(request.query_params), limit=size + 1, queues=self.dashboard.queue_names
+            )
         except views.FilterError as exc:
             return self.render(
                 request,
@@ -363,7 +369,7 @@ class Pages:
     async def dlq_page(self, request: Request) -> Response:
         identity = self.auth.identity(request)
         try:
-            query = views.dlq_query(dict(request.query_params))
+            query = views.dlq_query(dict(request.query_params), queues=self.dashboard.queue_names)
         except views.FilterError as exc:
             return self.render(
                 request,
@@ -377,7 +383,12 @@ class Pages:
                 sqs_error=None,
                 action=self.dashboard.actions.get("dlq-requeue"),
             )
-        filters = dlq.DeadLetterFilter(tasks=query.tasks, queues=query.queues, older_than=query.older_than)
+        filters = dlq.DeadLetterFilter(
+            tasks=query.tasks,
+            queues=query.queues,
+            older_than=query.older_than,
+            known=self.dashboard.queue_names,
+        )
         sqs_error = None
         listing = None
         run_errors: dict[uuid.UUID, queries.RunError] = {}
@@ -677,7 +688,11 @@ def create_app(
     """
     settings = settings if settings is not None else OutboxSettings.from_env()
     auth = Auth(settings, identify=identify, secret_key=secret_key)
-    dashboard = Dashboard(settings, engine=engine, actions=actions or default_actions(), auth=auth)
+    try:
+        queues = Catalog.queue_names_at(settings.catalog_path)
+    except errors.CatalogError:
+        queues = QUEUE_NAMES
+    dashboard = Dashboard(settings, engine=engine, actions=actions or default_actions(queues), auth=auth)
     pages = Pages(dashboard)
     routes = [
         Route("/", pages.overview, name="overview"),

@@ -54,13 +54,16 @@ def _storable(values: Mapping[str, str]) -> None:
             raise FilterError(f"{name}: contains a NUL character")
 
 
-def runs_query(params: Mapping[str, str], *, limit: int = RUNS_PAGE_SIZE) -> RunsQuery:
+def runs_query(
+    params: Mapping[str, str], *, limit: int = RUNS_PAGE_SIZE, queues: Sequence[str] = QUEUE_NAMES
+) -> RunsQuery:
     """Read the Runs page's query parameters.
 
     Args:
         params: ``task``, ``tenant`` (an id or ``platform``), ``queue``, ``status``,
             ``since`` / ``until`` (UTC), ``before`` / ``after`` (cursors).
         limit: Rows asked for (the page size plus one, to know if there is more).
+        queues: The queues a ``queue`` filter may name (the four, plus declared ones).
 
     Raises:
         FilterError: A parameter is invalid; the message names it.
@@ -80,8 +83,8 @@ def runs_query(params: Mapping[str, str], *, limit: int = RUNS_PAGE_SIZE) -> Run
             if not -(2**63) <= tenant < 2**63:  # tenant_id is a PostgreSQL bigint
                 raise FilterError(f"tenant: {values['tenant']!r} is outside the range of a tenant id")
     _storable(values)
-    if values["queue"] and values["queue"] not in QUEUE_NAMES:
-        raise FilterError(f"queue: {values['queue']!r} is not one of {', '.join(QUEUE_NAMES)}")
+    if values["queue"] and values["queue"] not in queues:
+        raise FilterError(f"queue: {values['queue']!r} is not one of {', '.join(queues)}")
     if values["status"] and values["status"] not in RUN_STATUSES:
         raise FilterError(f"status: {values['status']!r} is not one of {', '.join(RUN_STATUSES)}")
     if len(values["task"]) > TASK_NAME_MAX_CHARS:
@@ -118,16 +121,17 @@ class DlqQuery:
     older_than: dt.timedelta | None
 
 
-def dlq_query(params: Mapping[str, str]) -> DlqQuery:
-    """The DLQ page's filters: ``queue``, ``task``, ``older_than`` (``10m``, ``2h``, ``7d``).
+def dlq_query(params: Mapping[str, str], *, queues: Sequence[str] = QUEUE_NAMES) -> DlqQuery:
+    """The DLQ page's filters: ``queue`` (one of ``queues``: the four, plus declared ones),
+    ``task``, ``older_than`` (``10m``, ``2h``, ``7d``).
 
     Raises:
         FilterError: A parameter is invalid.
     """
     values = {k: params.get(k, "").strip() for k in ("queue", "task", "older_than")}
     _storable(values)
-    if values["queue"] and values["queue"] not in QUEUE_NAMES:
-        raise FilterError(f"queue: {values['queue']!r} is not one of {', '.join(QUEUE_NAMES)}")
+    if values["queue"] and values["queue"] not in queues:
+        raise FilterError(f"queue: {values['queue']!r} is not one of {', '.join(queues)}")
     if len(values["task"]) > TASK_NAME_MAX_CHARS:
         raise FilterError(f"task: at most {TASK_NAME_MAX_CHARS} characters")
     older_than = None

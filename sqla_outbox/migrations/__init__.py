@@ -48,6 +48,8 @@ OUTBOX_TABLES = (
     "webhook_endpoints",
     "worker_presence",
     "schedule_slots",
+    "task_groups",
+    "schedule_tenant_slots",
 )
 """The tables the migrations create (the version table aside)."""
 

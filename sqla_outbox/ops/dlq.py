@@ -131,17 +131,20 @@ class DeadLetterFilter:
 
     Attributes:
         tasks: Task names (any of). queues: Logical queues whose DLQs are scanned
-            (default all four). older_than: Only messages dead-lettered longer ago.
+            (default all ``known``). older_than: Only messages dead-lettered longer ago.
         run_ids: Only these runs.
+        known: Every logical queue: the four, plus the catalog's declared queues
+            (:meth:`~sqla_outbox.catalog.Catalog.queue_names`).
     """
 
     tasks: tuple[str, ...] = ()
     queues: tuple[str, ...] = ()
     older_than: dt.timedelta | None = None
     run_ids: frozenset[uuid.UUID] = frozenset()
+    known: tuple[str, ...] = QUEUE_NAMES
 
     def scanned_queues(self) -> tuple[str, ...]:
-        return tuple(q for q in QUEUE_NAMES if not self.queues or q in self.queues)
+        return tuple(q for q in self.known if not self.queues or q in self.queues)
 
     def matches(self, letter: DeadLetter) -> bool:
         """True when ``letter`` passes the task, age and run filters (not the queue one)."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Float, Integer, bindparam, text
@@ -246,11 +247,14 @@ def stale_running(
     return total, runs
 
 
-def queue_depths(client: Any, settings: OutboxSettings) -> list[QueueDepth]:
-    """Approximate depths of the four source queues and their DLQs (never raises for SQS
-    errors: they are reported per queue in :attr:`QueueDepth.error`)."""
+def queue_depths(
+    client: Any, settings: OutboxSettings, queues: Sequence[str] = QUEUE_NAMES
+) -> list[QueueDepth]:
+    """Approximate depths of the source queues (default the four; the catalog's declared
+    queues too when given) and their DLQs (never raises for SQS errors: they are reported
+    per queue in :attr:`QueueDepth.error`)."""
     depths: list[QueueDepth] = []
-    for queue in QUEUE_NAMES:
+    for queue in queues:
         for name, dead_letter in (
             (settings.queue_url_name(queue), False),
             (settings.dlq_url_name(queue), True),
@@ -285,6 +289,7 @@ def collect(
     stale_limit: int = 20,
     unreceived_after: dt.timedelta = resend.DEFAULT_UNRECEIVED_AFTER,
     with_valkey: bool = True,
+    queues: Sequence[str] = QUEUE_NAMES,
 ) -> StatusReport:
     """Take the whole report.
 
@@ -296,6 +301,8 @@ def collect(
         stale_limit: Most stale, parked and unreceived runs listed.
         unreceived_after: Flag ``queued`` runs whose message waited in SQS longer.
         with_valkey: Read the flow-control state from Valkey (``valkey_url``).
+        queues: Logical queues whose depths are read (the catalog's
+            :meth:`~sqla_outbox.catalog.Catalog.queue_names` includes declared ones).
 
     Raises:
         sqlalchemy.exc.DBAPIError: The database could not be read.
@@ -316,7 +323,7 @@ def collect(
         stale_after_seconds=stale_after_seconds,
         stale_running_count=count,
         stale_running=stale,
-        queues=None if client is None else queue_depths(client, settings),
+        queues=None if client is None else queue_depths(client, settings, queues),
         workers=workers,
         waiting_for_a_worker=presence.waiting_for_a_worker(connection, presence.Coverage.of(workers)),
         flow_control=gate.snapshot(settings) if with_valkey else None,

@@ -18,6 +18,18 @@ and the slot time (UUID v5). So:
 * a freshly deployed schedule runs its latest past slot at once (for a daily job started
   at 10:00, today's 03:17 slot).
 
+**Tenant fan-out.** A schedule with ``"tenants": {"table": "tenants", "column": "id"}`` or
+``"tenants": {"query": "SELECT id FROM tenants WHERE active"}`` dispatches one run per
+listed tenant per slot, each with that ``tenant_id`` (the task's scope must be ``tenant``
+or ``any``). The tenants are read in the transaction that writes the slot's runs; the
+latest slot dispatched is stored per task *and tenant* in ``schedule_tenant_slots`` with
+the same ``INSERT ... ON CONFLICT ... WHERE last_slot < EXCLUDED.last_slot`` guard, and
+each run id is derived from task, tenant and slot, so every tenant gets each slot at most
+once, across restarts, failovers and purges, and the same latest-slot-only catch-up. A
+tenant added in the middle of a slot is picked up at the next slot (the relay reads the
+list once per slot). The query is the application's own SQL, from its catalog: it must
+return one bigint column.
+
 Cron expressions have five fields and are evaluated in UTC (croniter). Interval slots are
 multiples of ``every_seconds`` since the Unix epoch. The payload is
 ``{"slot": "<ISO 8601 UTC>"}``.
@@ -33,9 +45,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from croniter import croniter  # type: ignore[import-untyped]
-from sqlalchemy import DateTime, Text, bindparam, text
+from sqlalchemy import BigInteger, DateTime, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 
 from sqla_outbox.catalog import Catalog, TaskSpec
 from sqla_outbox.dispatch import Dispatch
@@ -51,6 +64,22 @@ SLOT_NAMESPACE = uuid.UUID("5d6f1c1e-3a0b-4c35-9a57-8f1f0b6e2d41")
 def slot_run_id(task: str, slot: dt.datetime) -> uuid.UUID:
     """The run id of ``task``'s run for ``slot`` (deterministic: same inputs, same id)."""
     return uuid.uuid5(SLOT_NAMESPACE, f"{task}@{slot.astimezone(dt.UTC).isoformat()}")
+
+
+def tenant_slot_run_id(task: str, tenant_id: int, slot: dt.datetime) -> uuid.UUID:
+    """The run id of ``task``'s run for ``tenant_id`` and ``slot`` (deterministic)."""
+    return uuid.uuid5(SLOT_NAMESPACE, f"{task}@{tenant_id}@{slot.astimezone(dt.UTC).isoformat()}")
+
+
+def tenants_query(spec: Mapping[str, Any]) -> str:
+    """SQL listing the tenant ids of a fan-out schedule's ``tenants`` entry.
+
+    ``{"query": sql}`` is used as written; ``{"table": t, "column": c}`` becomes
+    ``SELECT c FROM t`` (names validated by the catalog schema: unquoted identifiers).
+    """
+    if "query" in spec:
+        return str(spec["query"])
+    return f"SELECT {spec.get('column', 'id')} FROM {spec['table']}"  # schema-checked names
 
 
 def latest_slot(schedule: Mapping[str, Any], now: dt.datetime) -> dt.datetime:
@@ -90,6 +119,23 @@ RETURNING task
 )
 
 
+_ADVANCE_TENANTS = text(
+    """
+INSERT INTO schedule_tenant_slots AS s (task, tenant_id, last_slot, run_id)
+SELECT :task, t.tenant_id, :slot, t.run_id
+FROM unnest(CAST(:tenant_ids AS bigint[]), CAST(:run_ids AS uuid[])) AS t(tenant_id, run_id)
+ON CONFLICT (task, tenant_id) DO UPDATE
+SET last_slot = EXCLUDED.last_slot, run_id = EXCLUDED.run_id, updated_at = clock_timestamp()
+WHERE s.last_slot < EXCLUDED.last_slot
+RETURNING tenant_id
+"""
+).bindparams(
+    bindparam("slot", type_=DateTime(timezone=True)),
+    bindparam("tenant_ids", type_=ARRAY(BigInteger)),
+    bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True))),
+)
+
+
 @dataclasses.dataclass
 class Scheduler:
     """Dispatches the latest due slot of each scheduled task (run by the active relay).
@@ -108,6 +154,36 @@ class Scheduler:
     def tasks(self) -> list[TaskSpec]:
         return [t for t in self.catalog.tasks.values() if t.schedule]
 
+    def _fan_out(self, connection: Connection, spec: TaskSpec, slot: dt.datetime) -> list[Dispatch]:
+        """Advance the slot of each tenant the schedule lists; the dispatches of those that advanced."""
+        assert spec.schedule is not None
+        try:
+            with connection.begin_nested():  # a broken query must not abort the other schedules
+                listed = connection.execute(text(tenants_query(spec.schedule["tenants"]))).scalars().all()
+                tenant_ids = sorted({int(t) for t in listed if t is not None})
+        except (DBAPIError, TypeError, ValueError) as exc:
+            logger.error(
+                "schedule tenants not listed",
+                extra=log_extra(
+                    action="relay.schedule_tenants_failed", task=spec.name, error_type=type(exc).__name__
+                ),
+            )
+            return []
+        if not tenant_ids:
+            return []
+        run_ids = [tenant_slot_run_id(spec.name, t, slot) for t in tenant_ids]
+        advanced = set(
+            connection.execute(
+                _ADVANCE_TENANTS,
+                {"task": spec.name, "slot": slot, "tenant_ids": tenant_ids, "run_ids": run_ids},
+            ).scalars()
+        )
+        return [
+            Dispatch(spec.name, {"slot": slot.isoformat()}, tenant_id=t, run_id=run_id)
+            for t, run_id in zip(tenant_ids, run_ids, strict=True)
+            if t in advanced
+        ]
+
     def tick(self, connection: Connection) -> int:
         """Dispatch every task's latest slot not handled yet. Commits. Returns new runs.
 
@@ -115,7 +191,10 @@ class Scheduler:
         slot where that slot is later than the one stored (``INSERT ... ON CONFLICT DO
         UPDATE ... WHERE last_slot < EXCLUDED.last_slot``), and write the runs of exactly
         the tasks that advanced. A slot at or before the stored one is never dispatched,
-        so neither a restart, a failover nor a purge of the slot's run repeats it.
+        so neither a restart, a failover nor a purge of the slot's run repeats it. A
+        fan-out schedule does the same per tenant in ``schedule_tenant_slots``, for the
+        tenants its table or query lists now (a failing query is logged,
+        ``relay.schedule_tenants_failed``, and retried at the next tick).
         """
         tasks = self.tasks
         if not tasks:
@@ -130,21 +209,31 @@ class Scheduler:
         if not slots:
             connection.commit()
             return 0
-        advanced = {
-            row[0]
-            for row in connection.execute(
-                _ADVANCE,
-                {
-                    "tasks": list(slots),
-                    "slots": list(slots.values()),
-                    "run_ids": [slot_run_id(task, slot) for task, slot in slots.items()],
-                },
-            )
-        }
+        platform = {task: slot for task, slot in slots.items() if "tenants" not in self._schedule(task)}
+        advanced = (
+            {
+                row[0]
+                for row in connection.execute(
+                    _ADVANCE,
+                    {
+                        "tasks": list(platform),
+                        "slots": list(platform.values()),
+                        "run_ids": [slot_run_id(task, slot) for task, slot in platform.items()],
+                    },
+                )
+            }
+            if platform
+            else set()
+        )
+        items = [
+            Dispatch(task, {"slot": slots[task].isoformat()}, run_id=slot_run_id(task, slots[task]))
+            for task in advanced
+        ]
+        for task, slot in slots.items():
+            if task not in platform:
+                items.extend(self._fan_out(connection, self.catalog.tasks[task], slot))
         prepared = []
-        for task in advanced:
-            slot = slots[task]
-            item = Dispatch(task, {"slot": slot.isoformat()}, run_id=slot_run_id(task, slot))
+        for item in items:
             prepared.extend(item.prepare(self.catalog, max_message_bytes=self.max_message_bytes))
         written = write_runs(connection, prepared) if prepared else 0
         connection.commit()
@@ -158,10 +247,14 @@ class Scheduler:
                         action="relay.scheduled",
                         task=run.task,
                         run_id=str(run.run_id),
+                        tenant_id=run.tenant_id,
                         slot=slots[run.task].isoformat(),
                     ),
                 )
         return written
+
+    def _schedule(self, task: str) -> Mapping[str, Any]:
+        return self.catalog.tasks[task].schedule or {}
 
     def seconds_until_next(self, now: dt.datetime) -> float | None:
         """Seconds until the next slot of any task (None without schedules)."""

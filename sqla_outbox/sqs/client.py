@@ -17,7 +17,6 @@ import botocore.exceptions
 
 from sqla_outbox import errors
 from sqla_outbox.config import OutboxSettings
-from sqla_outbox.types import QUEUE_NAMES
 
 SQS_MAX_BATCH_ENTRIES = 10
 """SendMessageBatch / DeleteMessageBatch / ChangeMessageVisibilityBatch entry limit (SQS quota)."""
@@ -111,7 +110,7 @@ class QueueDirectory:
         self._lock = threading.Lock()
 
     def url(self, queue: str) -> str:
-        """URL of the source queue for ``queue`` (critical, default, bulk, maintenance).
+        """URL of the source queue for ``queue`` (a default or declared logical queue).
 
         Raises:
             botocore.exceptions.ClientError: The queue does not exist (run provisioning).
@@ -130,8 +129,11 @@ class QueueDirectory:
 
     def logical_name(self, url: str) -> str | None:
         """The logical queue whose source queue has ``url``, if known."""
-        for queue in QUEUE_NAMES:
-            if self._urls.get(self.settings.queue_url_name(queue)) == url:
+        with self._lock:
+            names = [name for name, known in self._urls.items() if known == url]
+        for name in names:
+            queue = name.removeprefix(self.settings.queue_prefix)
+            if name.startswith(self.settings.queue_prefix) and not queue.endswith("-dlq"):
                 return queue
         return None
 

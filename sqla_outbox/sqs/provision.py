@@ -1,16 +1,19 @@
-"""Create the four queues and their dead-letter queues, idempotently, and report drift.
+"""Create the queues and their dead-letter queues, idempotently, and report drift.
 
-For each logical queue ``q`` (critical, default, bulk, maintenance):
+For each logical queue ``q`` (critical, default, bulk, maintenance, then the queues the
+task catalog declares, :class:`sqla_outbox.catalog.QueueSpec`):
 
 * ``<prefix>q-dlq`` — the dead-letter queue; messages kept 14 days (the SQS maximum),
   because a message keeps its original enqueue time when SQS moves it there (SQS
   Developer Guide, "Using dead-letter queues").
 * ``<prefix>q`` — the source queue; visibility timeout from the settings
   (``visibility_timeout_<q>_seconds``; SPEC defaults critical 60 s, default 120 s, bulk
-  15 min, maintenance 5 min), messages kept ``sqs_message_retention_seconds`` (default
+  15 min, maintenance 5 min; a declared queue's ``visibility_timeout_seconds``;
+  ``queue_visibility_timeouts`` overrides either), messages kept
+  ``sqs_message_retention_seconds`` or a declared queue's own (default
   14 days, the SQS maximum: a message SQS drops unreceived is lost silently), long polling
-  20 s, redrive policy ``maxReceiveCount`` 7 (5 receives for the runtime plus 2 of margin)
-  into its DLQ.
+  20 s, redrive policy ``maxReceiveCount`` 7 (5 receives for the runtime plus 2 of margin;
+  a declared queue's ``max_receive_count``) into its DLQ.
 * ``MaximumMessageSize`` follows ``max_message_bytes``; optional SSE-SQS or SSE-KMS.
 
 A second run changes nothing. When an existing queue's attributes differ from these,
@@ -24,9 +27,14 @@ import dataclasses
 import json
 from typing import Any
 
+from sqla_outbox import errors
+from sqla_outbox.catalog import Catalog, QueueSpec
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.sqs.client import is_missing_queue
 from sqla_outbox.types import QUEUE_NAMES
+
+SQS_QUEUE_NAME_MAX = 80
+"""SQS queue names are at most 80 characters (SQS CreateQueue, QueueName)."""
 
 DLQ_RETENTION_SECONDS = 14 * 24 * 3600
 LONG_POLL_SECONDS = 20
@@ -53,21 +61,35 @@ class QueueReport:
 
 
 def desired_attributes(
-    settings: OutboxSettings, queue: str, *, dead_letter: bool, dlq_arn: str | None = None
+    settings: OutboxSettings,
+    queue: str,
+    *,
+    dead_letter: bool,
+    dlq_arn: str | None = None,
+    spec: QueueSpec | None = None,
 ) -> dict[str, str]:
-    """SQS attributes a queue should have (strings, as the SQS API takes them)."""
+    """SQS attributes a queue should have (strings, as the SQS API takes them).
+
+    Args:
+        spec: The catalog's declaration of ``queue`` (None for the four defaults).
+    """
     attributes = {
         "MaximumMessageSize": str(settings.max_message_bytes),
         "ReceiveMessageWaitTimeSeconds": str(LONG_POLL_SECONDS),
     }
-    attributes["VisibilityTimeout"] = str(settings.visibility_timeout_seconds(queue))
+    declared = spec.visibility_timeout_seconds if spec is not None else None
+    attributes["VisibilityTimeout"] = str(settings.visibility_timeout_seconds(queue, declared))
     if dead_letter:
         attributes["MessageRetentionPeriod"] = str(DLQ_RETENTION_SECONDS)
     else:
-        attributes["MessageRetentionPeriod"] = str(settings.sqs_message_retention_seconds)
+        retention = (
+            spec.message_retention_seconds if spec else None
+        ) or settings.sqs_message_retention_seconds
+        receives = (spec.max_receive_count if spec else None) or settings.max_receive_count
+        attributes["MessageRetentionPeriod"] = str(retention)
         assert dlq_arn is not None
         attributes["RedrivePolicy"] = json.dumps(
-            {"deadLetterTargetArn": dlq_arn, "maxReceiveCount": settings.max_receive_count},
+            {"deadLetterTargetArn": dlq_arn, "maxReceiveCount": receives},
             separators=(",", ":"),
         )
     if settings.sqs_kms_key_id:
@@ -77,29 +99,43 @@ def desired_attributes(
     return attributes
 
 
-def provision(client: Any, settings: OutboxSettings, *, fix: bool = False) -> list[QueueReport]:
+def provision(
+    client: Any, settings: OutboxSettings, *, fix: bool = False, catalog: Catalog | None = None
+) -> list[QueueReport]:
     """Create missing queues and DLQs; report (and with ``fix``, correct) drift.
 
     Args:
         client: boto3 SQS client.
-        settings: Uses ``queue_prefix``, ``max_receive_count``, ``max_message_bytes`` and
-            the SSE settings.
+        settings: Uses ``queue_prefix``, ``max_receive_count``, ``max_message_bytes``, the
+            visibility timeouts and the SSE settings.
         fix: Apply the desired attributes to queues that drifted.
+        catalog: Its declared queues are provisioned after the four defaults.
 
     Returns:
         One :class:`QueueReport` per SQS queue, DLQ first for each logical queue.
 
     Raises:
+        ConfigurationError: A declared queue's SQS name (``<prefix><name>-dlq``) would be
+            longer than 80 characters (SQS limit); checked before any call.
         botocore.exceptions.ClientError: SQS refused a call (permissions, quotas).
     """
+    declared = dict(catalog.queues) if catalog is not None else {}
+    for queue in declared:
+        if len(settings.dlq_url_name(queue)) > SQS_QUEUE_NAME_MAX:
+            raise errors.ConfigurationError(
+                f"queue {queue!r}: SQS name {settings.dlq_url_name(queue)!r} is longer than "
+                f"{SQS_QUEUE_NAME_MAX} characters (SQS QueueName limit); shorten the name or the prefix",
+                option="queue_prefix",
+            )
     reports: list[QueueReport] = []
-    for queue in QUEUE_NAMES:
+    for queue in (*QUEUE_NAMES, *declared):
+        spec = declared.get(queue)
         dlq = _ensure(
             client,
             settings.dlq_url_name(queue),
             queue,
             True,
-            desired_attributes(settings, queue, dead_letter=True),
+            desired_attributes(settings, queue, dead_letter=True, spec=spec),
             fix,
         )
         reports.append(dlq)
@@ -112,7 +148,7 @@ def provision(client: Any, settings: OutboxSettings, *, fix: bool = False) -> li
                 settings.queue_url_name(queue),
                 queue,
                 False,
-                desired_attributes(settings, queue, dead_letter=False, dlq_arn=dlq_arn),
+                desired_attributes(settings, queue, dead_letter=False, dlq_arn=dlq_arn, spec=spec),
                 fix,
             )
         )

@@ -400,7 +400,9 @@ class _InlineRunner:
                     task=env.task,
                     tenant_id=env.tenant_id,
                     worker_id=WORKER_ID,
-                    lease_seconds=VISIBILITY_TIMEOUT_SECONDS[env.queue],
+                    lease_seconds=VISIBILITY_TIMEOUT_SECONDS.get(
+                        env.queue, VISIBILITY_TIMEOUT_SECONDS["default"]
+                    ),
                     receive_count=receive_count,
                     honour_due_time=False,  # rows were picked by due time, or include_delayed
                 )

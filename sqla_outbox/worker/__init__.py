@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from sqla_outbox.worker.context import Cancelled, TaskContext
 from sqla_outbox.worker.limits import Breaker
-from sqla_outbox.worker.registry import Registry, RetryPolicy, TaskDefinition, registry, task, webhook_events
+from sqla_outbox.worker.registry import (
+    Registry,
+    RetryPolicy,
+    TaskDefinition,
+    queue,
+    registry,
+    task,
+    webhook_events,
+)
 
 __all__ = [
     "Breaker",
@@ -21,6 +29,7 @@ __all__ = [
     "TaskContext",
     "TaskDefinition",
     "Worker",
+    "queue",
     "registry",
     "task",
     "webhook_events",

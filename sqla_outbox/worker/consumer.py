@@ -44,7 +44,6 @@ from sqla_outbox.sqs.client import (
     is_missing_queue,
     make_client,
 )
-from sqla_outbox.types import QUEUE_NAMES
 from sqla_outbox.worker import deferral
 from sqla_outbox.worker import handle as handling
 from sqla_outbox.worker.acks import AckBatcher
@@ -52,7 +51,7 @@ from sqla_outbox.worker.engine import make_worker_engine
 from sqla_outbox.worker.flight import InFlight
 from sqla_outbox.worker.heartbeat import heartbeat_loop
 from sqla_outbox.worker.outcome import Outcomes
-from sqla_outbox.worker.receive import RECEIVE_MAX_MESSAGES, SlotPool
+from sqla_outbox.worker.receive import QUEUE_WEIGHTS, RECEIVE_MAX_MESSAGES, SlotPool
 from sqla_outbox.worker.registry import Registry
 from sqla_outbox.worker.registry import registry as default_registry
 from sqla_outbox.worker.runtime import Runtime, WorkerCounters
@@ -98,6 +97,30 @@ def visibility_ends_by(
     return now + (first + SQS_MAX_VISIBILITY_SECONDS - wall)
 
 
+def consumed_queues(settings: OutboxSettings, catalog: Catalog) -> list[str]:
+    """The queues a worker consumes: ``worker_queues``, the four defaults first (critical
+    first), then declared queues in catalog order.
+
+    Raises:
+        ConfigurationError: ``worker_queues`` names a queue that is neither a default nor
+            declared in the catalog (``queues``).
+    """
+    known = catalog.queue_names()
+    unknown = [q for q in settings.worker_queues if q not in known]
+    if unknown:
+        raise errors.ConfigurationError(
+            f"unknown queue(s) {', '.join(map(repr, unknown))}: expected some of {', '.join(known)} "
+            "(declare more under 'queues' in the task catalog, or with sqla_outbox.worker.queue())",
+            option="--queues / SQLA_OUTBOX_WORKER_QUEUES",
+        )
+    return [q for q in known if q in settings.worker_queues]
+
+
+def queue_weights(catalog: Catalog) -> dict[str, int]:
+    """Slot weights: critical 8, default 4, bulk 2, maintenance 1, and each declared queue's."""
+    return {**QUEUE_WEIGHTS, **{name: spec.weight for name, spec in catalog.queues.items()}}
+
+
 class Worker:
     """Consumes SQS queues and runs registered handlers.
 
@@ -129,7 +152,7 @@ class Worker:
         if catalog is None:
             path = Path(settings.catalog_path)
             catalog = Catalog.load(path) if path.exists() else registry.catalog()
-        self.queues = [q for q in QUEUE_NAMES if q in settings.worker_queues]
+        self.queues = consumed_queues(settings, catalog)
         self.runtime = Runtime(
             settings,
             worker_id=name or settings.worker_id or f"{socket.gethostname()}:{os.getpid()}",
@@ -144,7 +167,7 @@ class Worker:
             ),
             io_threads=concurrency + len(self.queues) + 6,
         )
-        self.slots = SlotPool(concurrency)
+        self.slots = SlotPool(concurrency, queue_weights(catalog))
         self.in_flight: dict[int, InFlight] = {}
         self._polls_end: dict[str, float] = {}  # queue → monotonic end of its pending long poll
         self.ready = False

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from sqla_outbox import errors, maintenance, webhooks
-from sqla_outbox.catalog import Catalog, Scope, TaskSpec
+from sqla_outbox.catalog import DEFAULT_QUEUE_VISIBILITY_SECONDS, Catalog, QueueSpec, Scope, TaskSpec
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.types import QUEUE_NAMES
 from sqla_outbox.worker.limits import Breaker, TaskLimits
@@ -39,7 +39,8 @@ DEFAULT_TIMEOUT_SECONDS: dict[str, float] = {
     "bulk": 1800.0,
     "maintenance": 900.0,
 }
-"""Per-attempt timeout when a task sets none, by queue (seconds)."""
+"""Per-attempt timeout when a task sets none, by queue (seconds); a declared queue's tasks
+get the ``default`` queue's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,7 @@ class TaskDefinition:
     def effective_timeout(self) -> float | None:
         """Seconds an attempt may run, or None for no limit."""
         if self.timeout_seconds is None:
-            return DEFAULT_TIMEOUT_SECONDS[self.queue]
+            return DEFAULT_TIMEOUT_SECONDS.get(self.queue, DEFAULT_TIMEOUT_SECONDS["default"])
         return None if self.timeout_seconds == 0 else self.timeout_seconds
 
     def effective_max_receives(self, default: int) -> int:
@@ -141,6 +142,46 @@ class Registry:
         self.breakers: dict[str, Breaker] = {}
         """Breaker settings by integration key (the defaults unless a task declared them)."""
         self._explicit_breakers: dict[str, Breaker] = {}
+        self.queues: dict[str, QueueSpec] = {}
+
+    def queue(
+        self,
+        name: str,
+        *,
+        visibility_timeout_seconds: int = DEFAULT_QUEUE_VISIBILITY_SECONDS,
+        message_retention_seconds: int | None = None,
+        max_receive_count: int | None = None,
+        weight: int = 1,
+        description: str | None = None,
+    ) -> QueueSpec:
+        """Declare a queue besides the four defaults; the catalog written from this registry
+        lists it under ``queues`` (``docs/queues.md``). Declare it before the ``@task`` that
+        uses it. Fields: :class:`~sqla_outbox.catalog.QueueSpec`.
+
+        Raises:
+            ConfigurationError: A bad name (or one of the four), a value outside the SQS
+                limits (visibility 0..43200 s, retention 60..1209600 s, maxReceiveCount
+                1..1000), or ``name`` declared before with other values.
+        """
+        spec = QueueSpec(
+            name=name,
+            visibility_timeout_seconds=visibility_timeout_seconds,
+            message_retention_seconds=message_retention_seconds,
+            max_receive_count=max_receive_count,
+            weight=weight,
+            description=description,
+        )
+        existing = self.queues.get(name)
+        if existing is not None and existing != spec:
+            raise errors.ConfigurationError(
+                f"queue {name!r} is already declared as {existing}", option="queue()"
+            )
+        try:  # the catalog's own rules, checked now
+            Catalog.build([], {}, [spec])
+        except errors.CatalogError as exc:
+            raise errors.ConfigurationError(f"queue {name!r}: {exc}", option="queue()") from None
+        self.queues[name] = spec
+        return spec
 
     @classmethod
     def with_builtins(cls) -> Registry:
@@ -244,9 +285,10 @@ class Registry:
                 to another function. Raised when the module is imported, not later when
                 the catalog is written.
         """
-        if queue not in QUEUE_NAMES:
+        if queue not in QUEUE_NAMES and queue not in self.queues:
             raise errors.ConfigurationError(
-                f"task {name!r}: unknown queue {queue!r}; expected one of {', '.join(QUEUE_NAMES)}",
+                f"task {name!r}: unknown queue {queue!r}; expected one of "
+                f"{', '.join((*QUEUE_NAMES, *self.queues))} (declare more with queue() before the @task)",
                 option="@task(queue)",
             )
         if scope not in ("tenant", "platform", "any"):
@@ -303,7 +345,11 @@ class Registry:
                 limits=limits,
             )
             try:  # the catalog's own rules (name pattern, schedule), checked at import time
-                Catalog.build([definition.spec()], {event: [name] for event in definition.subscribes})
+                Catalog.build(
+                    [definition.spec()],
+                    {event: [name] for event in definition.subscribes},
+                    self.queues.values(),
+                )
             except errors.CatalogError as exc:
                 where = f"{handler.__module__}.{getattr(handler, '__qualname__', handler)}"
                 raise errors.ConfigurationError(f"task {name!r} ({where}): {exc}", option="@task") from None
@@ -401,7 +447,7 @@ class Registry:
         for definition in sorted(self.tasks.values(), key=lambda d: d.name):
             for event in definition.subscribes:
                 events.setdefault(event, []).append(definition.name)
-        return Catalog.build([d.spec() for d in self.tasks.values()], events)
+        return Catalog.build([d.spec() for d in self.tasks.values()], events, self.queues.values())
 
 
 WEBHOOK_RETRY = RetryPolicy(backoff_base_seconds=60, backoff_max_seconds=3600)
@@ -419,4 +465,5 @@ registry = Registry.with_builtins()
 """The default registry that :func:`task` registers into (built-in tasks included)."""
 
 task = registry.task
+queue = registry.queue
 webhook_events = registry.webhook_events

@@ -63,7 +63,9 @@ def test_forged_messages_never_execute_and_land_in_the_dlq_with_a_reason(
             json.dumps({"v": 99}): "malformed-envelope:bad-version",
             json.dumps(dict(base, run_id=12345)): "malformed-envelope:bad-field",
             json.dumps(dict(base, tenant_id="1")): "malformed-envelope:bad-field",
-            json.dumps(dict(base, queue="urgent")): "malformed-envelope:bad-field",
+            json.dumps(dict(base, queue="../urgent")): "malformed-envelope:bad-field",
+            # a well-formed name (a declared queue, perhaps) that is not the queue it came from
+            json.dumps(dict(base, queue="urgent")): "wrong-queue",
             json.dumps(dict(base, payload={"not": "text"})): "malformed-envelope:bad-field",
             json.dumps(dict(base, payload="{broken")): "malformed-envelope:bad-payload",
             json.dumps(base): "unknown-run",

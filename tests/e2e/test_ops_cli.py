@@ -500,6 +500,7 @@ def test_purge_dry_run_then_purge(engine: sa.Engine, env: dict[str, str]) -> Non
         "succeeded_runs": 1,
         "failed_runs": 1,
         "cancelled_runs": 0,
+        "completed_groups": 0,
     }
     assert dry["dry_run"] is True and dry["deleted"] == 3
     assert support.count(engine, "platform_outbox_messages") == 3 and support.count(engine, "task_runs") == 2
@@ -525,6 +526,7 @@ def test_purge_dry_run_then_purge(engine: sa.Engine, env: dict[str, str]) -> Non
         "succeeded_runs": 2,
         "failed_runs": 2,
         "cancelled_runs": 1,
+        "completed_groups": 1,
     }
     with engine.connect() as conn:
         left = set(conn.execute(sa.text("SELECT run_id FROM platform_outbox_messages")).scalars())

@@ -14,7 +14,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from sqla_outbox import Dispatch, errors
+from sqla_outbox import Dispatch, errors, groups
 from sqla_outbox.worker import RetryPolicy, TaskContext, task
 
 INSERT = sa.text(
@@ -97,6 +97,23 @@ def behave(payload: dict[str, Any], ctx: TaskContext) -> Any:
         return
     if mode == "followup":
         ctx.session.add(Dispatch("send_welcome", {"mode": "ok", "from": str(ctx.run_id)}))
+    if mode == "followup_then":  # chain: the follow-up is written with this attempt's success
+        ctx.session.add(Dispatch("send_welcome", {"mode": "ok", "from": str(ctx.run_id)}))
+        then = payload.get("then")
+        if then == "fail_times" and ctx.attempt <= payload["times"]:
+            raise ConnectionError(f"flaky after dispatching (attempt {ctx.attempt})")
+        if then == "permanent":
+            raise errors.ValidationFailed("refused after dispatching")
+    if mode == "barrier":  # members finish together: wait until every member reached here
+        directory = payload["dir"]
+        open(os.path.join(directory, str(ctx.run_id)), "w").close()
+        deadline = time.monotonic() + 20
+        while len(os.listdir(directory)) < payload["n"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+    if mode == "group_done":
+        state = groups.outcome(ctx.session, ctx.run_id)
+        record(ctx, note=json.dumps(state.statuses if state else None, sort_keys=True))
+        return
     record(ctx, note=mode)
 
 

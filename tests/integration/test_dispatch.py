@@ -351,7 +351,7 @@ def test_bad_input_is_refused_at_add_and_nothing_is_written(
         ({"payload": {"x": float("nan")}}, errors.PayloadNotSerializable, "NaN"),
         ({"payload": [float("-inf")]}, errors.PayloadNotSerializable, "JSON has no NaN/Infinity"),
         ({"payload": {"o": object()}}, errors.PayloadNotSerializable, "object at $.o"),
-        ({"queue": "urgent"}, errors.UnknownQueue, "unknown queue 'urgent'"),
+        ({"queue": "urgent!"}, errors.UnknownQueue, "unknown queue 'urgent!'"),  # undeclared names: at add
         ({"delay": -1}, errors.InvalidDispatch, "must not be negative"),
         ({"delay": dt.timedelta(seconds=-5)}, errors.InvalidDispatch, "must not be negative"),
         ({"delay": float("nan")}, errors.InvalidDispatch, "finite"),

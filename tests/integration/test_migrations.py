@@ -29,6 +29,8 @@ OUR_TABLES = {
     "webhook_endpoints",
     "worker_presence",
     "schedule_slots",
+    "task_groups",
+    "schedule_tenant_slots",
 }
 
 

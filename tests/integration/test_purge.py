@@ -332,6 +332,7 @@ def test_dry_run_counts_with_the_same_cutoffs_and_deletes_nothing(
         "succeeded_runs": (1, 3, 0),
         "failed_runs": (1, 4, 0),
         "cancelled_runs": (1, 1, 0),
+        "completed_groups": (0, 0, 0),
     }
     real = maintenance.purge(engine, settings)
     assert {c.category: (c.deleted, c.trail_rows) for c in real.counts} == {

@@ -53,7 +53,10 @@ def test_types_are_parsed() -> None:
         ({"SQLA_OUTBOX_WORKER_CONCURRENCY": "many"}, "SQLA_OUTBOX_WORKER_CONCURRENCY"),
         ({"SQLA_OUTBOX_WORKER_WAIT_SECONDS": "21"}, "SQLA_OUTBOX_WORKER_WAIT_SECONDS"),
         ({"SQLA_OUTBOX_MAX_MESSAGE_BYTES": "2000000"}, "SQLA_OUTBOX_MAX_MESSAGE_BYTES"),
-        ({"QUEUES": "critical,urgent"}, "SQLA_OUTBOX_WORKER_QUEUES"),
+        (
+            {"QUEUES": "critical,not a queue!"},
+            "SQLA_OUTBOX_WORKER_QUEUES",
+        ),  # undeclared names: checked at start
         ({"SQLA_OUTBOX_WORKER_BACKOFF_MAX_SECONDS": "50000"}, "SQLA_OUTBOX_WORKER_BACKOFF_MAX_SECONDS"),
         ({"SQLA_OUTBOX_QUEUE_PREFIX": "bad prefix"}, "SQLA_OUTBOX_QUEUE_PREFIX"),
         ({"SQLA_OUTBOX_WORKER_RUN_RELAY": "maybe"}, "SQLA_OUTBOX_WORKER_RUN_RELAY"),

@@ -132,7 +132,7 @@ def _doc(**changes: object) -> str:
     [
         {"task": "../../etc"},
         {"task": 5},
-        {"queue": "urgent"},
+        {"queue": "../urgent"},  # a well-formed unknown name is refused when the lease is taken
         {"tenant_id": "3"},
         {"tenant_id": True},
         {"tenant_id": 2**70},
