@@ -219,17 +219,21 @@ def envelope_document(task: str = TASK, tenant_id: int | None = None) -> dict[st
     return run.envelope
 
 
-def fill_backlog(url: str, rows: int, *, tenant: bool = True, chunk: int = 50_000) -> None:
+def fill_backlog(
+    url: str, rows: int, *, tenant: bool = True, chunk: int = 50_000, only_tenant: int | None = None
+) -> None:
     """Insert ``rows`` due outbox rows plus their ``task_runs`` rows with set-based SQL.
 
     The envelope is a real ``Dispatch`` envelope with its ``run_id`` replaced per row; the
-    rows are what ``Dispatch`` would write, just written faster.
+    rows are what ``Dispatch`` would write, just written faster. Tenant rows spread over
+    tenants 1..20, or all belong to ``only_tenant``; each chunk is one transaction.
     """
     task = TENANT_TASK if tenant else TASK
     template = envelope_document(task, 1 if tenant else None)
     table = "outbox_messages" if tenant else "platform_outbox_messages"
     tenant_col = "tenant_id, " if tenant else ""
-    tenant_val = "1 + mod(g, 20), " if tenant else ""
+    tenant_expr = "1 + mod(g, 20)" if only_tenant is None else str(int(only_tenant))
+    tenant_val = f"{tenant_expr}, " if tenant else ""
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         done = 0
         while done < rows:
@@ -239,14 +243,14 @@ def fill_backlog(url: str, rows: int, *, tenant: bool = True, chunk: int = 50_00
 WITH ids AS (SELECT g, gen_random_uuid() AS run_id FROM generate_series(1, %(n)s) g),
 runs AS (
     INSERT INTO task_runs (run_id, task, queue, tenant_id, available_at)
-    SELECT run_id, %(task)s, 'default', {"1 + mod(g, 20)" if tenant else "NULL"},
+    SELECT run_id, %(task)s, 'default', {tenant_expr if tenant else "NULL"},
            clock_timestamp() - interval '1 second'
     FROM ids
 )
 INSERT INTO {table} ({tenant_col}run_id, queue, envelope, available_at)
 SELECT {tenant_val}run_id, 'default',
        jsonb_set(jsonb_set(%(env)s::jsonb, '{{run_id}}', to_jsonb(run_id::text)),
-                 '{{tenant_id}}', {"to_jsonb(1 + mod(g, 20))" if tenant else "'null'::jsonb"}),
+                 '{{tenant_id}}', {f"to_jsonb({tenant_expr})" if tenant else "'null'::jsonb"}),
        clock_timestamp() - interval '1 second' + g * interval '1 microsecond'
 FROM ids ORDER BY g
 """,

@@ -52,7 +52,7 @@ from typing import Any, Literal
 import jsonschema
 
 from sqla_outbox import errors, types
-from sqla_outbox.types import QUEUE_NAME_PATTERN, QUEUE_NAMES
+from sqla_outbox.types import PRIORITY_MAX, PRIORITY_MIN, QUEUE_NAME_PATTERN, QUEUE_NAMES
 
 CATALOG_VERSION = 1
 NAME_PATTERN = rf"^{types.NAME_PATTERN}(?![\s\S])"
@@ -103,6 +103,7 @@ SCHEMA: dict[str, Any] = {
                     "queue": {"type": "string", "pattern": rf"^{QUEUE_NAME_PATTERN}(?![\s\S])"},
                     "scope": {"enum": ["tenant", "platform", "any"]},
                     "timeout_seconds": {"type": "number", "minimum": 0},
+                    "priority": {"type": "integer", "minimum": PRIORITY_MIN, "maximum": PRIORITY_MAX},
                     "description": {"type": "string"},
                     "schedule": {
                         "type": "object",
@@ -199,6 +200,8 @@ class TaskSpec:
         timeout_seconds: Per-attempt limit in seconds; 0 means no limit; None the queue default.
         schedule: ``{"cron": ...}`` or ``{"every_seconds": ...}`` for recurring runs.
         description: Free text for humans.
+        priority: Default priority of the task's runs (1..10, lower first); None: by
+            trigger (:data:`sqla_outbox.types.TRIGGER_PRIORITIES`).
     """
 
     name: str
@@ -207,9 +210,12 @@ class TaskSpec:
     timeout_seconds: float | None = None
     schedule: Mapping[str, Any] | None = None
     description: str | None = None
+    priority: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"queue": self.queue, "scope": self.scope}
+        if self.priority is not None:
+            out["priority"] = self.priority
         if self.timeout_seconds is not None:
             out["timeout_seconds"] = self.timeout_seconds
         if self.schedule is not None:
@@ -298,6 +304,7 @@ class Catalog:
                 timeout_seconds=spec.get("timeout_seconds"),
                 schedule=spec.get("schedule"),
                 description=spec.get("description"),
+                priority=spec.get("priority"),
             )
             for name, spec in data["tasks"].items()
         }

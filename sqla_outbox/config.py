@@ -241,6 +241,34 @@ class OutboxSettings:
         "`worker_presence`). Off: send everything, as before workers recorded presence.",
     )
 
+    relay_fairness: bool = _setting(
+        True,
+        "Tenant fairness (docs/flow-control.md): each pass is shared across the tenants with due "
+        "rows by weight, higher priority first within a queue; SQS is handed only what workers "
+        "take soon (`relay_queue_depth`); messages carry MessageGroupId = tenant. Off: claim "
+        "oldest first across tenants, send without bound (the behaviour before flow control).",
+    )
+    relay_queue_depth: int | None = _setting(
+        None,
+        "Most messages left waiting (visible) in one SQS queue before the relay sends more; "
+        "the backlog stays in the outbox. Default: 2 x `worker_concurrency` per live worker "
+        "(at least 20; no bound while no live worker is recorded). 0: no bound.",
+    )
+    relay_depth_poll_seconds: float = _setting(
+        0.2,
+        "While a queue is at `relay_queue_depth`, the relay re-reads its depth "
+        "(GetQueueAttributes) this often.",
+        unit="s",
+    )
+    tenant_rate_limit_per_minute: int | None = _setting(
+        None,
+        "Runs the relay sends per tenant per sliding minute; excess waits in the outbox (no "
+        "attempt spent). Per-tenant overrides: `python -m sqla_outbox flow tenant`. None: no limit.",
+    )
+    flow_refresh_seconds: float = _setting(
+        1.0, "How often workers re-read paused tasks, tenants and queues.", unit="s"
+    )
+
     # --- worker --------------------------------------------------------------------------
     worker_queues: tuple[str, ...] = _setting(
         QUEUE_NAMES,
@@ -692,6 +720,14 @@ def _validate(s: OutboxSettings) -> None:
         "each key must be at least 16 characters long",
     )
     _check(s.relay_sweep_interval_seconds > 0, "relay_sweep_interval_seconds", "must be > 0")
+    _check(s.relay_queue_depth is None or s.relay_queue_depth >= 0, "relay_queue_depth", "must be >= 0")
+    _check(s.relay_depth_poll_seconds > 0, "relay_depth_poll_seconds", "must be > 0")
+    _check(
+        s.tenant_rate_limit_per_minute is None or s.tenant_rate_limit_per_minute >= 1,
+        "tenant_rate_limit_per_minute",
+        "must be >= 1 (or unset for no limit)",
+    )
+    _check(s.flow_refresh_seconds > 0, "flow_refresh_seconds", "must be > 0")
     _check(1 <= s.relay_batch_size <= 10_000, "relay_batch_size", "must be within 1..10000")
     _check(1 <= s.relay_send_concurrency <= 64, "relay_send_concurrency", "must be within 1..64")
     _check(s.relay_backoff_base_seconds > 0, "relay_backoff_base_seconds", "must be > 0")

@@ -27,7 +27,15 @@ from sqlalchemy.orm import registry
 
 from sqla_outbox import envelope as envelope_mod
 from sqla_outbox import errors, tracing, webhook_fanout
-from sqla_outbox.types import JSONPayload, is_name, is_queue_name
+from sqla_outbox.types import (
+    DEFAULT_PRIORITY,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    JSONPayload,
+    is_name,
+    is_priority,
+    is_queue_name,
+)
 from sqla_outbox.webhook_fanout import PreparedFanout
 
 if TYPE_CHECKING:
@@ -52,6 +60,8 @@ class PreparedRun:
         source: The Dispatch or Publish object this run came from.
         resolved_run_id: Set by the write: the run that will execute.
         deduplicated: Set by the write: True when an existing run was reused.
+        priority: The outbox row's priority (1..10, lower first): the dispatch's, else
+            the catalog's, else the trigger default (3 for an application dispatch).
     """
 
     run_id: uuid.UUID
@@ -67,6 +77,7 @@ class PreparedRun:
     source: _Scheduled
     resolved_run_id: uuid.UUID | None = None
     deduplicated: bool = False
+    priority: int = DEFAULT_PRIORITY
 
 
 @dataclasses.dataclass
@@ -106,7 +117,15 @@ class _Scheduled:
         delay: dt.timedelta | float | int | None,
         available_at: dt.datetime | None,
         idempotency_key: str | None,
+        priority: int | None = None,
     ) -> None:
+        if priority is not None and not is_priority(priority):
+            raise errors.InvalidDispatch(
+                name_for_errors,
+                f"priority must be an integer within {PRIORITY_MIN}..{PRIORITY_MAX} (lower runs first), "
+                f"got {priority!r}",
+            )
+        self.priority = priority
         self.payload_json = envelope_mod.encode_payload(name_for_errors, payload)
         self.payload: JSONPayload = payload
         if tenant_id is not None and (
@@ -182,6 +201,7 @@ class _Scheduled:
             envelope=document,
             envelope_json=encoded,
             source=self,
+            priority=self.priority or spec.priority or DEFAULT_PRIORITY,
         )
 
     def prepare(self, catalog: Catalog, *, max_message_bytes: int) -> Sequence[Prepared]:
@@ -208,6 +228,9 @@ class Dispatch(_Scheduled):
             resolves quietly to the existing run (see :attr:`resolved_run_id`).
         run_id: Use this UUID instead of a random one (a duplicate run_id also resolves
             quietly to the existing run).
+        priority: 1..10, lower first: when more rows are due than a relay pass sends,
+            lower values of the same queue go first. Default: the catalog's ``priority``
+            for the task, else 3 (docs/flow-control.md).
 
     Attributes:
         run_id: Assigned when the object is built.
@@ -216,7 +239,7 @@ class Dispatch(_Scheduled):
         deduplicated: After flush, True when this dispatch resolved to an existing run.
 
     Raises:
-        InvalidDispatch: Bad name, tenant, delay, available_at or idempotency key.
+        InvalidDispatch: Bad name, tenant, delay, available_at, idempotency key or priority.
         PayloadNotSerializable: The payload is not plain JSON.
         UnknownQueue: ``queue`` is not a queue name (at construction), or neither one of
             critical, default, bulk, maintenance nor a queue the catalog declares (at
@@ -234,6 +257,7 @@ class Dispatch(_Scheduled):
         available_at: dt.datetime | None = None,
         idempotency_key: str | None = None,
         run_id: uuid.UUID | None = None,
+        priority: int | None = None,
     ) -> None:
         if not is_name(task):
             raise errors.InvalidDispatch(
@@ -258,6 +282,7 @@ class Dispatch(_Scheduled):
             delay,
             available_at,
             idempotency_key,
+            priority,
         )
 
     def prepare(self, catalog: Catalog, *, max_message_bytes: int) -> list[PreparedRun]:
@@ -320,6 +345,7 @@ class Publish(_Scheduled):
         delay: dt.timedelta | float | int | None = None,
         available_at: dt.datetime | None = None,
         idempotency_key: str | None = None,
+        priority: int | None = None,
     ) -> None:
         if not is_name(event):
             raise errors.InvalidDispatch(
@@ -334,6 +360,7 @@ class Publish(_Scheduled):
             delay,
             available_at,
             idempotency_key,
+            priority,
         )
 
     @property
@@ -375,6 +402,7 @@ class Publish(_Scheduled):
                         trace=self.trace,
                         source=self,
                         max_message_bytes=max_message_bytes,
+                        priority=self.priority or spec.priority,
                     )
                 )
                 continue

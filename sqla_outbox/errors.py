@@ -389,3 +389,11 @@ class ResultTimeout(OutboxError, TimeoutError):
         self.status = status
         self.waited_seconds = waited_seconds
         OutboxError.__init__(self, f"run {run_id} is still {status} after waiting {waited_seconds:.3g} s")
+
+
+class InvalidFlowControl(OutboxError):
+    """A pause, resume, weight or rate limit names no valid target or value (exactly one
+    of task, tenant or queue; a known queue name; a weight within 1..1000; a rate limit
+    >= 0). Raised before anything is written."""
+
+    code = "invalid-flow-control"

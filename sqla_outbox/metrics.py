@@ -90,6 +90,30 @@ RELAY_HELD = Counter(
     "Due outbox rows the relay kept pending because no live worker implements their task.",
     ["task"],
 )
+RELAY_PAUSED = Counter(
+    "sqla_outbox_relay_paused_total",
+    "Due outbox rows the relay kept pending because their task, tenant or queue is paused.",
+    ["scope"],
+)
+TENANT_THROTTLED = Gauge(
+    "sqla_outbox_tenant_throttled",
+    "1 while a tenant has due runs waiting in the outbox for its rate limit (label removed after).",
+    ["tenant"],
+)
+TENANT_THROTTLED_WAIT = Gauge(
+    "sqla_outbox_tenant_throttled_wait_seconds",
+    "How long the oldest due run of a throttled tenant has waited in the outbox.",
+    ["tenant"],
+)
+TENANT_THROTTLED_PASSES = Counter(
+    "sqla_outbox_tenant_throttled_passes_total",
+    "Relay passes in which a tenant had due runs but no rate-limit allowance left.",
+)
+RELAY_DEPTH_BOUND = Counter(
+    "sqla_outbox_relay_depth_bound_total",
+    "Relay passes that left due rows in the outbox because SQS held relay_queue_depth messages.",
+    ["queue"],
+)
 RUNS_DEFERRED = Counter(
     "sqla_outbox_runs_deferred_total",
     "Runs a worker handed back to the outbox instead of running them (no attempt spent).",

@@ -15,6 +15,8 @@ Tables:
 * ``webhook_endpoints`` — per tenant: where webhook events are delivered, and how signed.
 * ``worker_presence`` — the running workers, the tasks they implement and their heartbeat.
 * ``schedule_slots`` — the latest slot the relay dispatched per scheduled task.
+* ``flow_pauses`` — paused tasks, tenants and queues (:mod:`sqla_outbox.flow`).
+* ``tenant_flow`` — per-tenant relay weight and rate-limit override (:mod:`sqla_outbox.flow`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from sqlalchemy import (
     Integer,
     Interval,
     MetaData,
+    PrimaryKeyConstraint,
+    SmallInteger,
     Table,
     Text,
     func,
@@ -90,6 +94,8 @@ def _outbox_columns_doc() -> str:
             by ``python -m sqla_outbox outbox unpark``. Never set together with sent_at.
         last_error: The last failed send, ``<SQS error code>: <message>``; NULL while
             no send failed. Written by the relay.
+        priority: 1..10, lower first (default 3): when more rows are due than a relay
+            pass sends, lower values of one queue go first (docs/flow-control.md).
     """
 
 
@@ -108,12 +114,24 @@ class OutboxMessage(Base):
     created_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
     parked_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
     last_error: Mapped[str | None] = mapped_column(Text)
+    priority: Mapped[int] = mapped_column(SmallInteger, server_default=text("3"))
 
     __table_args__ = (
         CheckConstraint("attempts >= 0", name="attempts"),
         CheckConstraint("jsonb_typeof(envelope) = 'object'", name="envelope"),
         CheckConstraint(f"queue IN ({_QUEUE_LIST})", name="queue"),
         CheckConstraint("sent_at IS NULL OR parked_at IS NULL", name="parked"),
+        CheckConstraint("priority BETWEEN 1 AND 10", name="priority"),
+        # sqlaob_0005: the relay's fair claim (per queue[, tenant], priority first)
+        Index(
+            "outbox_messages_fair_idx",
+            "queue",
+            "tenant_id",
+            "priority",
+            "available_at",
+            "id",
+            postgresql_where=text("sent_at IS NULL AND parked_at IS NULL"),
+        ),
         Index(
             "outbox_messages_pending_idx",
             "available_at",
@@ -147,12 +165,23 @@ class PlatformOutboxMessage(Base):
     created_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
     parked_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
     last_error: Mapped[str | None] = mapped_column(Text)
+    priority: Mapped[int] = mapped_column(SmallInteger, server_default=text("3"))
 
     __table_args__ = (
         CheckConstraint("attempts >= 0", name="attempts"),
         CheckConstraint("jsonb_typeof(envelope) = 'object'", name="envelope"),
         CheckConstraint(f"queue IN ({_QUEUE_LIST})", name="queue"),
         CheckConstraint("sent_at IS NULL OR parked_at IS NULL", name="parked"),
+        CheckConstraint("priority BETWEEN 1 AND 10", name="priority"),
+        # sqlaob_0005: the relay's fair claim (per queue[, tenant], priority first)
+        Index(
+            "platform_outbox_messages_fair_idx",
+            "queue",
+            "priority",
+            "available_at",
+            "id",
+            postgresql_where=text("sent_at IS NULL AND parked_at IS NULL"),
+        ),
         Index(
             "platform_outbox_messages_pending_idx",
             "available_at",
@@ -463,6 +492,58 @@ class ScheduleTenantSlot(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
 
 
+class FlowPause(Base):
+    """A paused task, tenant or queue: its runs stay pending in the outbox until resumed.
+
+    Columns:
+        scope: ``task``, ``tenant`` or ``queue``. target: The task name, the tenant id
+            (as text) or the queue name. paused_at: When. paused_by: Who (CLI user,
+            dashboard user, API caller). reason: Free text.
+
+    Written by :func:`sqla_outbox.flow.pause` / :func:`~sqla_outbox.flow.resume`; read by
+    the relay (each pass) and the workers (every ``flow_refresh_seconds``).
+    """
+
+    __tablename__ = "flow_pauses"
+
+    scope: Mapped[str] = mapped_column(Text)
+    target: Mapped[str] = mapped_column(Text)
+    paused_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+    paused_by: Mapped[str | None] = mapped_column(Text)
+    reason: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (
+        PrimaryKeyConstraint("scope", "target"),
+        CheckConstraint("scope IN ('task', 'tenant', 'queue')", name="scope"),
+    )
+
+
+class TenantFlow(Base):
+    """One tenant's flow settings, read by the relay.
+
+    Columns:
+        tenant_id: The tenant (no foreign key, like ``task_runs``).
+        weight: 1..1000 (default 1): the tenant's share of a relay pass relative to the
+            other tenants with due rows.
+        rate_limit_per_minute: Override of ``tenant_rate_limit_per_minute``: runs sent per
+            sliding minute; 0 means unlimited; NULL the global default.
+        updated_at / updated_by: Last change, and who made it.
+    """
+
+    __tablename__ = "tenant_flow"
+
+    tenant_id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    weight: Mapped[int] = mapped_column(Integer, server_default=text("1"))
+    rate_limit_per_minute: Mapped[int | None] = mapped_column(Integer)
+    updated_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+    updated_by: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (
+        CheckConstraint("weight BETWEEN 1 AND 1000", name="weight"),
+        CheckConstraint("rate_limit_per_minute >= 0", name="rate_limit"),
+    )
+
+
 outbox_messages: Table = OutboxMessage.__table__  # type: ignore[assignment]
 platform_outbox_messages: Table = PlatformOutboxMessage.__table__  # type: ignore[assignment]
 task_runs: Table = TaskRun.__table__  # type: ignore[assignment]
@@ -472,6 +553,8 @@ worker_presence: Table = WorkerPresence.__table__  # type: ignore[assignment]
 schedule_slots: Table = ScheduleSlot.__table__  # type: ignore[assignment]
 task_groups: Table = TaskGroup.__table__  # type: ignore[assignment]
 schedule_tenant_slots: Table = ScheduleTenantSlot.__table__  # type: ignore[assignment]
+flow_pauses: Table = FlowPause.__table__  # type: ignore[assignment]
+tenant_flow: Table = TenantFlow.__table__  # type: ignore[assignment]
 
 
 def set_tenant_foreign_key(target: str | Column[Any] | None) -> None:

@@ -102,3 +102,16 @@ WAKE_CHANNEL = "sqla_outbox_wake"
 """PostgreSQL ``LISTEN``/``NOTIFY`` channel of the PostgreSQL wake. Notifications reach only
 listeners of the same database, so one name serves every installation (one active relay
 per database)."""
+
+PRIORITY_MIN, PRIORITY_MAX = 1, 10
+"""Run priority range; lower runs first (the BullMQ convention; docs/flow-control.md)."""
+TRIGGER_PRIORITIES = {"webhook": 1, "manual": 2, "dispatch": 3, "schedule": 5}
+"""Default priority by what started a run, when neither the dispatch nor the catalog sets
+one: webhook deliveries 1, operator actions (requeue) 2, application dispatches 3 (BullMQ's
+"external queue"), scheduled slots 5."""
+DEFAULT_PRIORITY = TRIGGER_PRIORITIES["dispatch"]
+
+
+def is_priority(value: object) -> bool:
+    """True for an int (not bool) within ``PRIORITY_MIN..PRIORITY_MAX``."""
+    return isinstance(value, int) and not isinstance(value, bool) and PRIORITY_MIN <= value <= PRIORITY_MAX

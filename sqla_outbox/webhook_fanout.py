@@ -31,11 +31,12 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, Interval, Text, bindparam
+from sqlalchemy import BigInteger, DateTime, Interval, SmallInteger, Text, bindparam
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.elements import BindParameter
 
 from sqla_outbox import envelope, errors
+from sqla_outbox.types import TRIGGER_PRIORITIES
 
 WEBHOOK_TASK = "webhooks.deliver"
 """Name of the built-in task that delivers one webhook event to one endpoint."""
@@ -58,6 +59,7 @@ class PreparedFanout:
         trace: W3C trace-context carrier of the publishing code, possibly empty.
         source: The ``Publish`` it came from (told the delivery run ids after the write).
         run_ids: Set by the write: endpoint id → delivery run id, for the runs it inserted.
+        priority: Priority of the delivery runs (default 1, the "webhook" trigger).
     """
 
     event: str
@@ -70,6 +72,7 @@ class PreparedFanout:
     trace: Mapping[str, str]
     source: Any
     run_ids: dict[int, uuid.UUID] = dataclasses.field(default_factory=dict)
+    priority: int = TRIGGER_PRIORITIES["webhook"]
 
 
 def delivery_payload_json(endpoint_id: int, event: str, timestamp: str, payload_json: str) -> str:
@@ -104,6 +107,7 @@ def prepare(
     trace: Mapping[str, str],
     source: Any,
     max_message_bytes: int,
+    priority: int | None = None,
 ) -> PreparedFanout:
     """Check a webhook event's publish and prepare its fan-out (called by ``session.add``).
 
@@ -143,6 +147,7 @@ def prepare(
         available_at=available_at,
         trace=dict(trace),
         source=source,
+        priority=priority or TRIGGER_PRIORITIES["webhook"],
     )
 
 
@@ -154,8 +159,10 @@ fan AS (
     SELECT f.*, clock_timestamp() AS published_at FROM unnest(
         CAST(:fan_events AS text[]), CAST(:fan_tenant_ids AS bigint[]), CAST(:fan_queues AS text[]),
         CAST(:fan_payloads AS text[]), CAST(:fan_keys AS text[]), CAST(:fan_delays AS interval[]),
-        CAST(:fan_available_ats AS timestamptz[]), CAST(:fan_traces AS text[])
-    ) WITH ORDINALITY AS f(event, tenant_id, queue, payload, key, delay, available_at, trace, fan_ord)
+        CAST(:fan_available_ats AS timestamptz[]), CAST(:fan_traces AS text[]),
+        CAST(:fan_priorities AS smallint[])
+    ) WITH ORDINALITY AS f(event, tenant_id, queue, payload, key, delay, available_at, trace, priority,
+                           fan_ord)
 ),
 hooks AS (
     SELECT gen_random_uuid() AS run_id, e.id AS endpoint_id, f.*,
@@ -180,6 +187,7 @@ FANOUT_INPUT = """
                'payload', '{"endpoint_id":' || h.endpoint_id || ',"type":' || to_json(h.event)
                           || ',"timestamp":"' || h.stamp || '","data":' || h.payload || '}'
            ) || CAST(h.trace AS jsonb) AS text),
+           h.priority,
            :fan_first_ord + row_number() OVER (ORDER BY h.fan_ord, h.endpoint_id),
            h.endpoint_id, h.fan_ord
     FROM hooks AS h
@@ -197,6 +205,7 @@ BINDPARAMS: tuple[BindParameter[Any], ...] = (
     bindparam("fan_delays", type_=ARRAY(Interval)),
     bindparam("fan_available_ats", type_=ARRAY(DateTime(timezone=True))),
     bindparam("fan_traces", type_=ARRAY(Text)),
+    bindparam("fan_priorities", type_=ARRAY(SmallInteger)),
     bindparam("fan_task", type_=Text),
     bindparam("fan_first_ord", type_=BigInteger),
 )
@@ -218,6 +227,7 @@ def params(fanouts: Sequence[PreparedFanout], *, first_ord: int) -> dict[str, An
         "fan_delays": [f.delay for f in fanouts],
         "fan_available_ats": [f.available_at for f in fanouts],
         "fan_traces": [json.dumps({"trace": dict(f.trace)}) if f.trace else "{}" for f in fanouts],
+        "fan_priorities": [f.priority for f in fanouts],
         "fan_task": WEBHOOK_TASK,
         "fan_first_ord": first_ord,
     }

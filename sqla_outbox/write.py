@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, Integer, Interval, Text, bindparam, text
+from sqlalchemy import BigInteger, DateTime, Integer, Interval, SmallInteger, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
 
@@ -62,9 +62,9 @@ _RUN_ROWS = """unnest(
         CAST(:run_ids AS uuid[]), CAST(:tasks AS text[]), CAST(:events AS text[]),
         CAST(:queues AS text[]), CAST(:tenant_ids AS bigint[]), CAST(:keys AS text[]),
         CAST(:delays AS interval[]), CAST(:available_ats AS timestamptz[]),
-        CAST(:envelopes AS text[])
+        CAST(:envelopes AS text[]), CAST(:priorities AS smallint[])
     ) WITH ORDINALITY AS t(run_id, task, event, queue, tenant_id, idempotency_key,
-                           delay, available_at, envelope, ord)"""
+                           delay, available_at, envelope, priority, ord)"""
 
 _WRITES = """
 runs AS (
@@ -77,15 +77,15 @@ runs AS (
     RETURNING run_id, available_at
 ),
 tenant_rows AS (
-    INSERT INTO outbox_messages (tenant_id, run_id, queue, envelope, available_at)
-    SELECT i.tenant_id, i.run_id, i.queue, CAST(i.envelope AS jsonb), r.available_at
+    INSERT INTO outbox_messages (tenant_id, run_id, queue, envelope, available_at, priority)
+    SELECT i.tenant_id, i.run_id, i.queue, CAST(i.envelope AS jsonb), r.available_at, i.priority
     FROM input AS i JOIN runs AS r ON r.run_id = i.run_id
     WHERE i.tenant_id IS NOT NULL
     ORDER BY i.ord
 ),
 platform_rows AS (
-    INSERT INTO platform_outbox_messages (run_id, queue, envelope, available_at)
-    SELECT i.run_id, i.queue, CAST(i.envelope AS jsonb), r.available_at
+    INSERT INTO platform_outbox_messages (run_id, queue, envelope, available_at, priority)
+    SELECT i.run_id, i.queue, CAST(i.envelope AS jsonb), r.available_at, i.priority
     FROM input AS i JOIN runs AS r ON r.run_id = i.run_id
     WHERE i.tenant_id IS NULL
     ORDER BY i.ord
@@ -102,6 +102,7 @@ _RUN_BINDPARAMS = (
     bindparam("delays", type_=ARRAY(Interval)),
     bindparam("available_ats", type_=ARRAY(DateTime(timezone=True))),
     bindparam("envelopes", type_=ARRAY(Text)),
+    bindparam("priorities", type_=ARRAY(SmallInteger)),
 )
 
 _INSERT = {
@@ -144,8 +145,8 @@ WITH runs AS (
     RETURNING run_id, available_at
 ),
 rows AS (
-    INSERT INTO {table} ({tenant_column}run_id, queue, envelope, available_at)
-    SELECT {tenant_value}run_id, :queue, CAST(:envelope AS jsonb), available_at FROM runs
+    INSERT INTO {table} ({tenant_column}run_id, queue, envelope, available_at, priority)
+    SELECT {tenant_value}run_id, :queue, CAST(:envelope AS jsonb), available_at, :priority FROM runs
 )"""
     return text(_finish(ctes, "SELECT runs.run_id FROM runs", notify)).bindparams(
         bindparam("run_id", type_=UUID(as_uuid=True)),
@@ -153,6 +154,7 @@ rows AS (
         bindparam("delay", type_=Interval),
         bindparam("available_at", type_=DateTime(timezone=True)),
         bindparam("envelope", type_=Text),
+        bindparam("priority", type_=SmallInteger),
     )
 
 
@@ -282,6 +284,7 @@ def _execute(
                 "delay": run.delay,
                 "available_at": run.available_at,
                 "envelope": run.envelope_json,
+                "priority": run.priority,
             },
         )
     else:
@@ -359,6 +362,7 @@ def _params(runs: Sequence[PreparedRun]) -> dict[str, Any]:
         "delays": [r.delay for r in runs],
         "available_ats": [r.available_at for r in runs],
         "envelopes": [r.envelope_json for r in runs],
+        "priorities": [r.priority for r in runs],
     }
 
 

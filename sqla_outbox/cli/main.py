@@ -1,7 +1,8 @@
 """The ``python -m sqla_outbox`` command group: every command module attached to one group.
 
 Command modules (``relay``, ``worker``, ``provision``, ``migrate``, ``catalog``,
-``config``, ``status``, ``runs``, ``dlq``, ``outbox``, ``purge``, ``dashboard``, ``demo``) each define their
+``config``, ``status``, ``runs``, ``dlq``, ``outbox``, ``pause``/``resume``/``flow``,
+``purge``, ``dashboard``, ``demo``) each define their
 command or group and import only :mod:`sqla_outbox.cli.options` and
 :mod:`sqla_outbox.cli.terminal` from the CLI; this module is the only one that imports
 them, so the CLI's imports run one way (docs/architecture.md).
@@ -16,6 +17,7 @@ from sqla_outbox.cli.config import config_command
 from sqla_outbox.cli.dashboard import dashboard_command
 from sqla_outbox.cli.demo import demo_command
 from sqla_outbox.cli.dlq import dlq_group
+from sqla_outbox.cli.flow import flow_group, pause_command, resume_command
 from sqla_outbox.cli.groups import groups_group
 from sqla_outbox.cli.migrate import migrate_command
 from sqla_outbox.cli.outbox import outbox_group
@@ -50,6 +52,9 @@ for _command in (
     groups_group,
     dlq_group,
     outbox_group,
+    pause_command,
+    resume_command,
+    flow_group,
     purge_command,
     dashboard_command,
     demo_command,

@@ -128,6 +128,7 @@ def _render_status(report: Any) -> None:
         out.print(shown)
     _render_workers(out, report)
     _render_flow_control(out, report.flow_control)
+    _render_flow(out, report)
     if report.parked:
         shown = table(
             f"Parked outbox rows: SQS refuses them ({report.parked_count}; `outbox unpark` after a fix)",
@@ -164,6 +165,33 @@ def _render_status(report: Any) -> None:
             if q.dead_letter and q.visible:
                 visible = styled(visible, "red")
             shown.add_row(q.queue, q.name, kind, visible, str(q.not_visible), str(q.delayed))
+        out.print(shown)
+
+
+def _render_flow(out: Any, report: Any) -> None:
+    """Paused targets, and tenants whose runs wait for their rate limit."""
+    if report.pauses:
+        shown = table(
+            "Paused (runs kept pending in the outbox)", ("scope", "target", "since (UTC)", "by", "reason")
+        )
+        for p in report.pauses:
+            shown.add_row(
+                p.scope, styled(p.target, "yellow"), when(p.paused_at), text(p.paused_by), text(p.reason)
+            )
+        out.print(shown)
+    if report.throttled:
+        shown = table(
+            "Throttled tenants (due runs wait in the outbox for the rate limit)",
+            ("tenant", "limit / min", "sent last minute", "due runs", "oldest waiting"),
+        )
+        for t in report.throttled:
+            shown.add_row(
+                styled(str(t.tenant_id), "yellow"),
+                str(t.limit_per_minute),
+                str(t.sent_last_minute),
+                str(t.due),
+                format_age(t.waited_seconds),
+            )
         out.print(shown)
 
 

@@ -1,4 +1,5 @@
-"""The dashboard's action framework, and the actions that exist today (DLQ requeue, cancel).
+"""The dashboard's action framework, and the actions that exist today (DLQ requeue, cancel,
+pause and resume).
 
 An **action** changes something: requeue dead-lettered runs and cancel runs today; pause
 and resume a task or queue, reset a circuit breaker, release a throttled tenant when
@@ -35,7 +36,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy.engine import Engine
 
-from sqla_outbox import errors
+from sqla_outbox import errors, flow
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.controls import ControlOutcome
 from sqla_outbox.dashboard.auth import Identity
@@ -436,7 +437,147 @@ class RunsCancel(Action):
         )
 
 
+# --- pause and resume ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FlowTarget:
+    """What to pause or resume (one of task, tenant, queue), and why."""
+
+    target: flow.Target
+    reason: str | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        scope, value = self.target.scope, self.target.target
+        if scope == "tenant":
+            return {"tenant_id": int(value)}
+        return {scope: value}
+
+
+def _flow_target(form: Form) -> flow.Target:
+    scope = (_values(form, "scope") or [""])[-1]
+    value = (form.get("target") or [""])[-1].strip()
+    if scope not in flow.SCOPES:
+        raise ActionInputError("choose what to pause: a task, a tenant or a queue", field="scope")
+    if not value:
+        raise ActionInputError(f"name the {scope}", field="target")
+    try:
+        if scope == "tenant":
+            try:
+                return flow.target(tenant_id=int(value))
+            except ValueError:
+                raise ActionInputError(f"{value!r} is not a tenant id", field="target") from None
+        if scope == "task":
+            return flow.target(task=value)
+        return flow.target(queue=value)
+    except errors.InvalidFlowControl as exc:
+        raise ActionInputError(str(exc), field="target") from None
+
+
+_WAITING = {
+    "task": "envelope->>'task' = :target",
+    "tenant": "tenant_id = CAST(:target AS bigint)",
+    "queue": "queue = :target",
+}
+
+
+def _pending(context: ActionContext, target: flow.Target) -> int:
+    """Unsent outbox rows of the target (both tables; tenants have no platform rows)."""
+    import sqlalchemy as sa
+
+    where = f"sent_at IS NULL AND parked_at IS NULL AND {_WAITING[target.scope]}"
+    with context.engine.connect() as conn:
+        total = conn.execute(
+            sa.text(f"SELECT count(*) FROM outbox_messages WHERE {where}"), {"target": target.target}
+        )
+        count = int(total.scalar_one())
+        if target.scope != "tenant":
+            platform = conn.execute(
+                sa.text(f"SELECT count(*) FROM platform_outbox_messages WHERE {where}"),
+                {"target": target.target},
+            )
+            count += int(platform.scalar_one())
+    return count
+
+
+class FlowPause(Action):
+    """Pause a task, a tenant or a queue (:func:`sqla_outbox.flow.pause`, as ``python -m
+    sqla_outbox pause``); the operator is recorded as ``paused_by``."""
+
+    name = "flow-pause"
+    title = "Pause"
+    description = (
+        "Keep a task's, a tenant's or a queue's runs pending in the outbox: no attempt is spent, "
+        "messages already in SQS come back without running. Resume releases them at once."
+    )
+    places = frozenset({"controls", "run"})
+    confirm_label = "Pause"
+    form_template = "control_pause.html"
+
+    def applies_to_run(self, run: RunRecord) -> bool:
+        return run.status in ("queued", "retrying")
+
+    def run_fields(self, run: RunRecord) -> dict[str, str]:
+        return {"scope": "task", "target": run.task}
+
+    def parse(self, form: Form) -> FlowTarget:
+        reason = (form.get("reason") or [""])[-1].strip()[:500] or None
+        return FlowTarget(_flow_target(form), reason)
+
+    def preview(self, context: ActionContext, params: FlowTarget) -> ActionReport:
+        return ActionReport(
+            summary=f"would pause {params.target}; "
+            f"{_pending(context, params.target)} pending run(s) would wait",
+            columns=("scope", "target", "reason"),
+            rows=[(Cell(params.target.scope), Cell(params.target.target), Cell(params.reason or "-"))],
+        )
+
+    def perform(self, context: ActionContext, params: FlowTarget) -> ActionReport:
+        with context.engine.begin() as conn:
+            new = flow.pause(conn, **params.kwargs(), by=context.identity.actor, reason=params.reason)
+        return ActionReport(
+            summary=f"paused {params.target}" if new else f"{params.target} was paused already",
+            changed=1 if new else 0,
+        )
+
+
+class FlowResume(Action):
+    """Resume a paused task, tenant or queue (:func:`sqla_outbox.flow.resume`): its held
+    runs become due now and the relay is woken."""
+
+    name = "flow-resume"
+    title = "Resume"
+    description = "Release a paused task's, tenant's or queue's runs at once."
+    places = frozenset({"controls"})
+    confirm_label = "Resume"
+    form_template = "control_resume.html"
+
+    def parse(self, form: Form) -> FlowTarget:
+        return FlowTarget(_flow_target(form))
+
+    def preview(self, context: ActionContext, params: FlowTarget) -> ActionReport:
+        with context.engine.connect() as conn:
+            paused = any(
+                (p.scope, p.target) == (params.target.scope, params.target.target)
+                for p in flow.list_pauses(conn)
+            )
+        state = "" if paused else " (it is not paused)"
+        return ActionReport(
+            summary=f"would resume {params.target}{state}; {_pending(context, params.target)} pending run(s)"
+        )
+
+    def perform(self, context: ActionContext, params: FlowTarget) -> ActionReport:
+        with context.engine.begin() as conn:
+            was_paused, released = flow.resume(conn, **params.kwargs())
+        waker = context.waker()
+        if waker is not None:
+            waker.wake()
+        verb = "resumed" if was_paused else "was not paused:"
+        return ActionReport(
+            summary=f"{verb} {params.target}; {released} held run(s) released (relay woken)",
+            changed=1 if was_paused else 0,
+        )
+
+
 def default_actions(queues: tuple[str, ...] = QUEUE_NAMES) -> ActionRegistry:
-    """The actions that exist today: :class:`DlqRequeue` (over ``queues``: the four, plus
-    the catalog's declared queues when given) and :class:`RunsCancel`."""
-    return ActionRegistry([DlqRequeue(queues), RunsCancel()])
+    """The actions that exist today: :class:`DlqRequeue` (on ``queues``), :class:`RunsCancel`,
+    :class:`FlowPause`, :class:`FlowResume`."""
+    return ActionRegistry([DlqRequeue(queues), RunsCancel(), FlowPause(), FlowResume()])

@@ -38,7 +38,7 @@ from starlette.routing import Mount, Route, Router
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from sqla_outbox import errors, migrations
+from sqla_outbox import errors, flow, migrations
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings, redact_url
 from sqla_outbox.dashboard import queries, views
@@ -483,13 +483,25 @@ class Pages:
 
     async def controls_page(self, request: Request) -> Response:
         identity = self.auth.identity(request)
-        flow = await run_in_threadpool(gate.snapshot, self.settings)  # read-only, from Valkey
+        flow_state = await run_in_threadpool(gate.snapshot, self.settings)  # read-only, from Valkey
+        default_limit = self.settings.tenant_rate_limit_per_minute
+
+        def read(connection: Any) -> tuple[list[flow.Pause], list[flow.ThrottledTenant], bool]:
+            limits = default_limit is not None or any(
+                t.rate_limit_per_minute for t in flow.tenants(connection).values()
+            )
+            return flow.list_pauses(connection), flow.throttled_tenants(connection, default_limit), limits
+
+        pauses, throttled, limits = await run_in_threadpool(self.dashboard.read, read)
         return self.render(
             request,
             "controls.html",
             identity,
             controls=self.dashboard.actions.in_place("controls"),
-            flow=flow,
+            flow=flow_state,
+            pauses=pauses,
+            throttled=throttled,
+            rate_limits=limits,
         )
 
     # --- login --------------------------------------------------------------------------------

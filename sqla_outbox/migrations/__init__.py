@@ -50,6 +50,8 @@ OUTBOX_TABLES = (
     "schedule_slots",
     "task_groups",
     "schedule_tenant_slots",
+    "flow_pauses",
+    "tenant_flow",
 )
 """The tables the migrations create (the version table aside)."""
 

@@ -94,7 +94,7 @@ from sqla_outbox.ops.dlq import (
     Received,
 )
 from sqla_outbox.sqs.client import QueueDirectory, is_missing_queue
-from sqla_outbox.types import UNFINISHED_STATUSES, WAKE_CHANNEL
+from sqla_outbox.types import TRIGGER_PRIORITIES, UNFINISHED_STATUSES, WAKE_CHANNEL
 from sqla_outbox.wakeup import Waker
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,8 @@ WHERE run_id = :run_id AND status = 'failed'
 _RESET_OUTBOX = {
     table: text(
         f"""
-UPDATE {table} SET sent_at = NULL, parked_at = NULL, attempts = 0, available_at = clock_timestamp()
+UPDATE {table} SET sent_at = NULL, parked_at = NULL, attempts = 0, available_at = clock_timestamp(),
+    priority = LEAST(priority, {TRIGGER_PRIORITIES["manual"]})
 WHERE run_id = :run_id RETURNING id
 """
     ).bindparams(_RUN_ID)
@@ -170,15 +171,16 @@ WHERE run_id = :run_id RETURNING id
 }
 _RECREATE_OUTBOX = {
     "outbox_messages": text(
-        """
-INSERT INTO outbox_messages (tenant_id, run_id, queue, envelope, available_at)
-VALUES (:tenant_id, :run_id, :queue, CAST(:envelope AS jsonb), clock_timestamp())
+        f"""
+INSERT INTO outbox_messages (tenant_id, run_id, queue, envelope, available_at, priority)
+VALUES (:tenant_id, :run_id, :queue, CAST(:envelope AS jsonb), clock_timestamp(),
+        {TRIGGER_PRIORITIES["manual"]})
 """
     ).bindparams(_RUN_ID),
     "platform_outbox_messages": text(
-        """
-INSERT INTO platform_outbox_messages (run_id, queue, envelope, available_at)
-VALUES (:run_id, :queue, CAST(:envelope AS jsonb), clock_timestamp())
+        f"""
+INSERT INTO platform_outbox_messages (run_id, queue, envelope, available_at, priority)
+VALUES (:run_id, :queue, CAST(:envelope AS jsonb), clock_timestamp(), {TRIGGER_PRIORITIES["manual"]})
 """
     ).bindparams(_RUN_ID),
 }

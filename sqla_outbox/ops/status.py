@@ -24,6 +24,8 @@ Four readings, each a small query or API call:
 * **flow control** (:func:`sqla_outbox.worker.gate.snapshot`, from Valkey): per task with
   a rate limit or concurrency cap, how much of it is in use; each circuit breaker's state
   (closed, open with the time left until its half-open probe, half-open);
+* **flow control** (:mod:`sqla_outbox.flow`): the paused tasks, tenants and queues, and
+  the tenants at their rate limit with how long their oldest due run has waited;
 * **SQS depths** (:func:`queue_depths`): ``ApproximateNumberOfMessages`` (visible),
   ``...NotVisible`` (in flight) and ``...Delayed`` for each source queue and DLQ. SQS
   documents these as approximate (eventually consistent, about a minute).
@@ -39,7 +41,7 @@ from typing import Any
 from sqlalchemy import Float, Integer, bindparam, text
 from sqlalchemy.engine import Connection
 
-from sqla_outbox import presence
+from sqla_outbox import flow, presence
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.ops import resend
 from sqla_outbox.sqs.client import error_code
@@ -179,6 +181,8 @@ class StatusReport:
             longer than that, and up to ``stale_limit`` of them, longest first.
         flow_control: Per-task limits in use and breaker states (None: no ``valkey_url``
             or not asked; ``error`` set when Valkey did not answer).
+        pauses: Paused tasks, tenants and queues.
+        throttled: Tenants whose due runs wait for their rate limit.
     """
 
     database_time: dt.datetime
@@ -196,6 +200,8 @@ class StatusReport:
     unreceived_count: int = 0
     unreceived: list[resend.UnreceivedRun] = dataclasses.field(default_factory=list)
     flow_control: gate.FlowControlState | None = None
+    pauses: list[flow.Pause] = dataclasses.field(default_factory=list)
+    throttled: list[flow.ThrottledTenant] = dataclasses.field(default_factory=list)
 
 
 def pending_rows(connection: Connection) -> list[PendingRows]:
@@ -327,4 +333,6 @@ def collect(
         workers=workers,
         waiting_for_a_worker=presence.waiting_for_a_worker(connection, presence.Coverage.of(workers)),
         flow_control=gate.snapshot(settings) if with_valkey else None,
+        pauses=flow.list_pauses(connection),
+        throttled=flow.throttled_tenants(connection, settings.tenant_rate_limit_per_minute),
     )

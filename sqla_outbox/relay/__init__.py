@@ -7,8 +7,11 @@ retries the lock every ``relay_standby_poll_seconds`` and takes over as soon as 
 active relay's connection ends (PostgreSQL releases session locks when a session ends, so
 a ``kill -9`` hands over within about a second). Two relays never send at the same time.
 
-A pass: in one transaction on that connection, claim up to ``relay_batch_size`` due rows
-per outbox table (``FOR UPDATE SKIP LOCKED``, oldest first), send them
+A pass: in one transaction on that connection, claim due rows (``FOR UPDATE SKIP
+LOCKED``): with ``relay_fairness`` (the default) up to ``relay_batch_size`` per queue,
+shared across tenants by weight, priority first, within each queue's room in SQS and each
+tenant's rate limit (:mod:`sqla_outbox.relay.fair`); without it up to ``relay_batch_size``
+per outbox table, oldest first. Send them
 (:mod:`sqla_outbox.relay.send`), mark accepted rows ``sent_at`` and back off the others
 (``attempts + 1``, ``available_at`` pushed by capped exponential backoff), commit.
 
@@ -26,7 +29,11 @@ Between passes the relay waits for whichever comes first:
 * the sweep interval (``relay_sweep_interval_seconds``), the guarantee when wakes are lost;
 * none at all when the last pass was full: a backlog drains at the queue's speed;
 * (rows of a task that no live worker implements are held pending instead of sent:
-  :mod:`sqla_outbox.relay.hold`, ``relay_hold_unserved``);
+  :mod:`sqla_outbox.relay.hold`, ``relay_hold_unserved``; so are rows of a paused task,
+  tenant or queue: :mod:`sqla_outbox.relay.pauses`);
+* while rows are due but cannot go (their queue holds ``relay_queue_depth`` messages in
+  SQS, or their tenant is at its rate limit), the time the depth is re-read
+  (``relay_depth_poll_seconds``) or the tenant's window reopens;
 * the next slot of a scheduled task (:mod:`sqla_outbox.relay.schedule`), which the active
   relay dispatches itself.
 
@@ -43,22 +50,28 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from sqla_outbox import charsets, metrics, migrations
+from sqla_outbox import charsets, flow, metrics, migrations
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import error_fields, log_extra
 from sqla_outbox.relay import claim
 from sqla_outbox.relay.claim import ClaimedRow
+from sqla_outbox.relay.depth import DepthGauge, auto_depth
+from sqla_outbox.relay.fair import FairClaimer
 from sqla_outbox.relay.hold import Holder
 from sqla_outbox.relay.listen import NotifyListener
+from sqla_outbox.relay.pauses import split as split_paused
+from sqla_outbox.relay.ratelimit import RateWindows
 from sqla_outbox.relay.schedule import Scheduler
 from sqla_outbox.relay.send import ENTRY, REFUSED, Sender, SendFailure, SendResult
+from sqla_outbox.types import QUEUE_NAMES
 from sqla_outbox.wakeup import WakeListener
 
 logger = logging.getLogger(__name__)
@@ -79,7 +92,9 @@ class PassResult:
             (backed off or parked). parked: Of those, rows parked (SQS refuses them).
         stalled: The failed rows could not be recorded (they stay due): the relay waits
             its backoff before the next pass instead of retrying them at once.
-        held: Rows kept pending because no live worker implements their task.
+        held: Rows kept pending because no live worker implements their task, or paused.
+        throttled: Tenants with due rows left in the outbox by their rate limit.
+        depth_bound: Queues whose due rows waited because SQS held ``relay_queue_depth``.
         full: Some table returned a full batch (more may be waiting).
         leader: This relay held the leadership lock for the pass. False only from
             :meth:`Relay.run_once` when another relay is active: nothing was done (that
@@ -94,6 +109,8 @@ class PassResult:
     full: bool = False
     leader: bool = True
     stalled: bool = False
+    throttled: list[int] = dataclasses.field(default_factory=list)
+    depth_bound: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -174,6 +191,9 @@ class Relay:
         name: Identifies this relay in logs (default ``<host>:<pid>``).
         catalog: Where scheduled tasks are declared (default: the file at
             ``catalog_path`` if it exists). Ignored when ``relay_scheduler`` is off.
+        depth_reader: ``queue -> visible messages`` for the queue-depth bound; default
+            GetQueueAttributes on the default sender's client; None with an injected
+            ``sender``: no bound.
     """
 
     def __init__(
@@ -184,6 +204,7 @@ class Relay:
         engine: Engine | None = None,
         name: str | None = None,
         catalog: Catalog | None = None,
+        depth_reader: Callable[[str], int] | None = None,
     ) -> None:
         self.settings = settings
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -203,6 +224,18 @@ class Relay:
         self._next_slot_at: float | None = None
         self.holder = Holder() if settings.relay_hold_unserved else None
         self._backoff = 0.5
+        self.fair = FairClaimer() if settings.relay_fairness else None
+        self.rates = RateWindows()
+        self._depth_reader = depth_reader
+        self._depth: DepthGauge | None = None
+        self._tenant_flow: dict[int, flow.TenantFlow] = {}
+        self._tenant_flow_read_at = float("-inf")
+        self._retry_in: float | None = None
+        """Due rows wait for queue room or a rate window: pass again after this (seconds)."""
+        self.throttled: set[int] = set()
+        self.pauses = flow.PauseCache(settings.flow_refresh_seconds)
+        self._shown_throttled: set[int] = set()
+        self._workers_seen = 0
 
     # --- public control ------------------------------------------------------------------
     @property
@@ -219,8 +252,25 @@ class Relay:
                 read_timeout_seconds=10,
                 max_attempts=2,
             )
-            self._sender = SqsSender(client, QueueDirectory(client, self.settings), self.settings)
+            directory = QueueDirectory(client, self.settings)
+            self._sender = SqsSender(client, directory, self.settings)
+            if self._depth_reader is None:
+                from sqla_outbox.sqs.client import visible_messages
+
+                self._depth_reader = lambda queue: visible_messages(client, directory, queue)
         return self._sender
+
+    @property
+    def depth(self) -> DepthGauge | None:
+        """The queue-depth gauge (None: no bound: ``relay_queue_depth`` 0, fairness off, or
+        an injected sender without a ``depth_reader``)."""
+        if self._depth is None and self.settings.relay_fairness and self.settings.relay_queue_depth != 0:
+            self.sender  # noqa: B018 (builds the default depth reader with the client)
+            if self._depth_reader is not None:
+                self._depth = DepthGauge(
+                    self._depth_reader, poll_seconds=self.settings.relay_depth_poll_seconds
+                )
+        return self._depth
 
     def stop(self) -> None:
         """Ask the relay to finish the pass in progress and return from :meth:`run`."""
@@ -366,6 +416,7 @@ class Relay:
         finally:
             listener.stop()
             notify_listener.stop()
+            self.rates.forget()  # the next active relay seeds the windows from sent_at
             self._unlock(connection)
             self._set_leader(False)
 
@@ -384,6 +435,9 @@ class Relay:
             if due is not None:
                 if due > 0:
                     timeout = min(timeout, due)  # the next delayed run, to the millisecond
+                elif self._retry_in is not None:
+                    # due rows wait for room in their queue or their tenant's rate window
+                    timeout = min(timeout, self._retry_in)
                 elif last_claimed:
                     return False  # became due since the last pass: go now
                 else:
@@ -418,19 +472,28 @@ class Relay:
         with connection.begin():
             if self.holder is not None:
                 self.holder.refresh(connection)  # first: rows it releases are claimed below
-            rows = []
-            for table in claim.TABLES:
-                claimed = claim.claim(connection, table, limit=limit)
-                result.full = result.full or len(claimed) == limit
-                rows.extend(claimed)
+            rows: list[ClaimedRow] = []
+            if self.fair is not None:
+                rows = self._fair_claim(connection, result)
+            else:
+                self._retry_in = None
+                for table in claim.TABLES:
+                    claimed = claim.claim(connection, table, limit=limit)
+                    result.full = result.full or len(claimed) == limit
+                    rows.extend(claimed)
+            if rows:
+                sendable = split_paused(connection, rows, self.pauses.refresh(connection))
+                result.held = len(rows) - len(sendable)
+                rows = sendable
             if self.holder is not None:
                 sendable = self.holder.split(connection, rows) if rows else rows
-                result.held = len(rows) - len(sendable)
+                result.held += len(rows) - len(sendable)
                 rows = sendable
             if not rows:
                 result.claimed = result.held
                 return result
             outcome: SendResult = self.sender.send(rows)
+            self._count_sent(outcome.sent)
             for table in claim.TABLES:
                 claim.mark_sent(connection, table, [r.id for r in outcome.sent if r.table == table])
             if outcome.failed:
@@ -455,6 +518,89 @@ class Relay:
             ),
         )
         return result
+
+    # --- flow control ----------------------------------------------------------------------
+    def _flow_settings(self, connection: Connection) -> dict[int, flow.TenantFlow]:
+        """Tenant weights and rate-limit overrides, re-read every ``flow_refresh_seconds``."""
+        now = time.monotonic()
+        if now - self._tenant_flow_read_at >= self.settings.flow_refresh_seconds:
+            self._tenant_flow = flow.tenants(connection)
+            self._tenant_flow_read_at = now
+        return self._tenant_flow
+
+    def _limit_of(self, tenant: int) -> int | None:
+        return flow.effective_limit(self.settings.tenant_rate_limit_per_minute, self._tenant_flow.get(tenant))
+
+    def _fair_claim(self, connection: Connection, result: PassResult) -> list[ClaimedRow]:
+        """Claim this pass's rows queue by queue (:mod:`sqla_outbox.relay.fair`)."""
+        assert self.fair is not None
+        settings = self._flow_settings(connection)
+        weights = {t: f.weight for t, f in settings.items() if f.weight != 1}
+        allowance = _Allowance(self, connection)
+        depth = self.depth
+        bound = self.settings.relay_queue_depth
+        if depth is not None and bound is None:
+            # the default bound follows the live workers (the last count seen, so a restart
+            # of every worker does not flood SQS); before any worker was ever recorded (or
+            # presence not read: relay_hold_unserved off) nothing is bounded, as nothing is held
+            if self.holder is not None and self.holder.coverage.workers:
+                self._workers_seen = self.holder.coverage.workers
+            bound = (
+                auto_depth(self.settings.worker_concurrency, self._workers_seen) if self._workers_seen else 0
+            )
+        batch = self.settings.relay_batch_size
+        rows: list[ClaimedRow] = []
+        retry: list[float] = []
+        throttled: set[int] = set()
+        due = self.fair.discover(connection, most=batch * len(QUEUE_NAMES))
+        served: set[tuple[str, int]] = set()
+        for queue, found in due.items():
+            budget = batch
+            if depth is not None and bound:
+                budget = min(batch, depth.room(queue, bound))
+                if budget <= 0:
+                    result.depth_bound.append(queue)
+                    retry.append(depth.poll_seconds)
+                    continue
+            got = self.fair.claim_queue(
+                connection, queue, found, budget=budget, weights=weights, allowance=allowance
+            )
+            allowance.spend(got.rows)
+            rows.extend(got.rows)
+            throttled.update(got.throttled)
+            served.update((queue, t) for t in got.served)
+            if got.rows and len(got.rows) == budget:
+                if budget == batch:
+                    result.full = True
+                elif depth is not None:
+                    retry.append(depth.poll_seconds)  # the queue's room is used up
+        self.fair.advance(served)
+        for tenant in throttled:
+            limit = self._limit_of(tenant)
+            if limit:
+                retry.append(self.rates.reopens_in(tenant, limit))
+        if throttled:
+            metrics.TENANT_THROTTLED_PASSES.inc()
+        for queue in result.depth_bound:
+            metrics.RELAY_DEPTH_BOUND.labels(queue).inc()
+        result.throttled = sorted(throttled)
+        self.throttled = throttled
+        self._retry_in = max(0.005, min(retry)) if retry else None
+        return rows
+
+    def _count_sent(self, sent: list[ClaimedRow]) -> None:
+        """Feed what SQS accepted to the rate windows and the depth gauge."""
+        by_queue: dict[str, int] = {}
+        by_tenant: dict[int, int] = {}
+        for row in sent:
+            by_queue[row.queue] = by_queue.get(row.queue, 0) + 1
+            if row.tenant_id is not None and self._limit_of(row.tenant_id):
+                by_tenant[row.tenant_id] = by_tenant.get(row.tenant_id, 0) + 1
+        for tenant, count in by_tenant.items():
+            self.rates.record(tenant, count)
+        if self._depth is not None:
+            for queue, count in by_queue.items():
+                self._depth.sent(queue, count)
 
     def _record_failures(
         self, connection: Connection, failed: list[tuple[ClaimedRow, SendFailure]]
@@ -532,3 +678,42 @@ class Relay:
                 if (table, queue) not in seen:
                     metrics.RELAY_PENDING.labels(table, queue).set(0)
                     metrics.RELAY_OLDEST_PENDING_AGE.labels(table, queue).set(0)
+        waits = claim.oldest_due_ages(connection, sorted(self.throttled)) if self.throttled else {}
+        connection.commit()
+        for tenant in self._shown_throttled - set(waits):
+            metrics.TENANT_THROTTLED.remove(str(tenant))
+            metrics.TENANT_THROTTLED_WAIT.remove(str(tenant))
+        for tenant, wait in waits.items():
+            metrics.TENANT_THROTTLED.labels(str(tenant)).set(1)
+            metrics.TENANT_THROTTLED_WAIT.labels(str(tenant)).set(wait)
+        self._shown_throttled = set(waits)
+
+
+class _Allowance:
+    """Rows each tenant may still be sent in this pass under its rate limit (the mapping
+    :meth:`FairClaimer.claim_queue` reads): the window's allowance less what earlier
+    queues of the same pass claimed. Tenants without a limit are absent."""
+
+    def __init__(self, relay: Relay, connection: Connection) -> None:
+        self._relay = relay
+        self._connection = connection
+        self._spent: dict[int, int] = {}
+        self._known: dict[int, int | None] = {}
+
+    def get(self, tenant: int, default: int | None = None) -> int | None:
+        if tenant not in self._known:
+            limit = self._relay._limit_of(tenant)
+            if limit is None:
+                self._known[tenant] = None
+            else:
+                self._relay.rates.seed(self._connection, [tenant])
+                self._known[tenant] = self._relay.rates.allowance({tenant: limit})[tenant]
+        left = self._known[tenant]
+        if left is None:
+            return default
+        return max(0, left - self._spent.get(tenant, 0))
+
+    def spend(self, rows: list[ClaimedRow]) -> None:
+        for row in rows:
+            if row.tenant_id is not None:
+                self._spent[row.tenant_id] = self._spent.get(row.tenant_id, 0) + 1

@@ -33,6 +33,7 @@ class ClaimedRow:
         id: Row id. run_id / queue / tenant_id / envelope: Row values.
         attempts: Failed send attempts so far.
         available_at: When it became due.
+        priority: 1..10, lower first (sqlaob_0005).
     """
 
     table: str
@@ -43,13 +44,14 @@ class ClaimedRow:
     envelope: dict[str, Any]
     attempts: int
     available_at: dt.datetime
+    priority: int = 3
 
 
 def _claim_sql(table: str) -> Any:
     tenant = "tenant_id" if table == "outbox_messages" else "NULL::bigint AS tenant_id"
     return text(
         f"""
-SELECT id, run_id, queue, {tenant}, envelope, attempts, available_at
+SELECT id, run_id, queue, {tenant}, envelope, attempts, available_at, priority
 FROM {table}
 WHERE sent_at IS NULL AND parked_at IS NULL AND available_at <= clock_timestamp()
 ORDER BY available_at, id
@@ -174,6 +176,7 @@ def claim(connection: Connection, table: str, *, limit: int) -> list[ClaimedRow]
             envelope=r.envelope,
             attempts=r.attempts,
             available_at=r.available_at,
+            priority=r.priority,
         )
         for r in rows
     ]
@@ -275,3 +278,22 @@ def pending_stats(connection: Connection) -> list[PendingStat]:
     return [
         PendingStat(r.tbl, r.queue, int(r.pending), float(r.lag)) for r in connection.execute(_PENDING_STATS)
     ]
+
+
+_OLDEST_DUE = text(
+    """
+SELECT tenant_id, EXTRACT(EPOCH FROM clock_timestamp() - min(available_at))::float8 AS wait
+FROM outbox_messages
+WHERE sent_at IS NULL AND parked_at IS NULL AND available_at <= clock_timestamp()
+  AND tenant_id = ANY(CAST(:tenants AS bigint[]))
+GROUP BY tenant_id
+"""
+).bindparams(bindparam("tenants", type_=ARRAY(BigInteger)))
+
+
+def oldest_due_ages(connection: Connection, tenants: Sequence[int]) -> dict[int, float]:
+    """Seconds the oldest due row of each of ``tenants`` has waited (tenants with none
+    are absent)."""
+    return {
+        int(r.tenant_id): float(r.wait) for r in connection.execute(_OLDEST_DUE, {"tenants": list(tenants)})
+    }

@@ -53,6 +53,7 @@ from sqlalchemy.exc import DBAPIError
 from sqla_outbox.catalog import Catalog, TaskSpec
 from sqla_outbox.dispatch import Dispatch
 from sqla_outbox.logging import log_extra
+from sqla_outbox.types import TRIGGER_PRIORITIES
 from sqla_outbox.write import write_runs
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,13 @@ class Scheduler:
             ).scalars()
         )
         return [
-            Dispatch(spec.name, {"slot": slot.isoformat()}, tenant_id=t, run_id=run_id)
+            Dispatch(
+                spec.name,
+                {"slot": slot.isoformat()},
+                tenant_id=t,
+                run_id=run_id,
+                priority=spec.priority or TRIGGER_PRIORITIES["schedule"],
+            )
             for t, run_id in zip(tenant_ids, run_ids, strict=True)
             if t in advanced
         ]
@@ -226,7 +233,13 @@ class Scheduler:
             else set()
         )
         items = [
-            Dispatch(task, {"slot": slots[task].isoformat()}, run_id=slot_run_id(task, slots[task]))
+            Dispatch(
+                task,
+                {"slot": slots[task].isoformat()},
+                run_id=slot_run_id(task, slots[task]),
+                # the catalog's priority, else the "schedule" trigger's (5: tolerates latency)
+                priority=self.catalog.task(task).priority or TRIGGER_PRIORITIES["schedule"],
+            )
             for task in advanced
         ]
         for task, slot in slots.items():

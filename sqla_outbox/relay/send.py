@@ -166,7 +166,8 @@ class SqsSender:
     Args:
         client: boto3 SQS client (thread-safe).
         directory: Resolves logical queue names to URLs.
-        settings: Uses ``max_message_bytes`` and ``relay_send_concurrency``.
+        settings: Uses ``max_message_bytes``, ``relay_send_concurrency`` and
+            ``relay_fairness`` (MessageGroupId = tenant on every message).
     """
 
     def __init__(self, client: Any, directory: QueueDirectory, settings: OutboxSettings) -> None:
@@ -174,6 +175,7 @@ class SqsSender:
         self.directory = directory
         self.max_bytes = settings.max_message_bytes
         self.signing_key = settings.signing_keys[0] if settings.signing_keys else None
+        self.message_groups = settings.relay_fairness
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=settings.relay_send_concurrency, thread_name_prefix="sqla-outbox-send"
         )
@@ -234,10 +236,7 @@ class SqsSender:
         try:
             response = self.client.send_message_batch(
                 QueueUrl=self.directory.url(queue),
-                Entries=[
-                    {"Id": str(i), "MessageBody": e.body, "MessageAttributes": e.attributes}
-                    for i, e in enumerate(batch)
-                ],
+                Entries=[self._entry(i, e) for i, e in enumerate(batch)],
             )
         except Exception as exc:
             code = error_code(exc)
@@ -292,5 +291,22 @@ class SqsSender:
         metrics.RELAY_SENT.labels(queue).inc(len(accepted))
         return result
 
+    def _entry(self, index: int, entry: Entry) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "Id": str(index),
+            "MessageBody": entry.body,
+            "MessageAttributes": entry.attributes,
+        }
+        if self.message_groups:
+            out["MessageGroupId"] = message_group(entry.row)
+        return out
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def message_group(row: ClaimedRow) -> str:
+    """The ``MessageGroupId`` of a row's message on a standard queue: the tenant id, or
+    ``platform``. SQS fair queues use it to keep one tenant's backlog from raising the
+    others' dwell time; queues without fairness ignore it."""
+    return "platform" if row.tenant_id is None else str(row.tenant_id)

@@ -146,3 +146,16 @@ class QueueDirectory:
         with self._lock:
             self._urls[name] = url
         return url
+
+
+def visible_messages(client: Any, directory: QueueDirectory, queue: str) -> int:
+    """Messages of ``queue`` waiting to be received (``ApproximateNumberOfMessages``:
+    visible, not in flight, not delayed), as the relay's depth bound reads it.
+
+    Raises:
+        botocore.exceptions.ClientError / BotoCoreError: The call failed.
+    """
+    answer = client.get_queue_attributes(
+        QueueUrl=directory.url(queue), AttributeNames=["ApproximateNumberOfMessages"]
+    )
+    return int(answer.get("Attributes", {}).get("ApproximateNumberOfMessages", 0))

@@ -7,7 +7,8 @@
    every field checked). Malformed → DLQ with the reason, never executed. An envelope
    naming another queue than the one the message arrived on → DLQ as ``wrong-queue``
    (it would run under that queue's visibility timeout and concurrency).
-3. **No handler here** (a task only newer code implements, during a rolling deploy): the
+3. **Paused** (its task, tenant or queue, :mod:`sqla_outbox.flow`; sent before the pause)
+   or **no handler here** (a task only newer code implements, during a rolling deploy): the
    run is deferred to the outbox (:mod:`sqla_outbox.worker.deferral`): the message is
    deleted and the outbox sends a fresh one later, so no attempt, no receive budget and
    no DLQ is spent on it. A run that is not ours is dead-lettered as below.
@@ -53,7 +54,7 @@ import time
 import traceback as tb
 from typing import Any
 
-from sqla_outbox import envelope, errors, metrics, tracing
+from sqla_outbox import envelope, errors, flow, metrics, tracing
 from sqla_outbox.logging import log_extra, short_handle
 from sqla_outbox.sqs.client import SQS_MAX_VISIBILITY_SECONDS
 from sqla_outbox.worker import deferral, execute, gate, runs
@@ -143,6 +144,21 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
         )
         return
     flight.run_id, flight.task_name = env.run_id, env.task
+    if runtime.pauses.stale:
+        await runtime.io(runtime.in_transaction, runtime.pauses.refresh)
+    paused = runtime.pauses.pauses.blocking(env.task, env.tenant_id, env.queue)
+    if paused is not None:  # sent before the pause: back to the outbox, handler not called
+        deferred = await deferral.defer_message(
+            runtime,
+            flight,
+            env,
+            reason="paused",
+            delay_seconds=flow.PAUSE_HOLD_SECONDS,
+            detail={"paused": str(paused)},
+        )
+        if deferred.claim is not None:
+            await _settle_unclaimed(runtime, flight, deferred.claim)
+        return
     definition = runtime.registry.tasks.get(env.task)
     if definition is None:  # e.g. old code during a rolling deploy: leave it to a worker that has it
         deferred = await deferral.defer_message(

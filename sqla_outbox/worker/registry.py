@@ -30,7 +30,7 @@ from typing import Any
 from sqla_outbox import errors, maintenance, webhooks
 from sqla_outbox.catalog import DEFAULT_QUEUE_VISIBILITY_SECONDS, Catalog, QueueSpec, Scope, TaskSpec
 from sqla_outbox.config import OutboxSettings
-from sqla_outbox.types import QUEUE_NAMES
+from sqla_outbox.types import PRIORITY_MAX, PRIORITY_MIN, QUEUE_NAMES, is_priority
 from sqla_outbox.worker.limits import Breaker, TaskLimits
 
 DEFAULT_TIMEOUT_SECONDS: dict[str, float] = {
@@ -80,6 +80,7 @@ class TaskDefinition:
         name: Task name. handler: The function. queue: Logical queue.
         scope: ``tenant``, ``platform`` or ``any`` (checked by the API side).
         timeout_seconds: Per-attempt limit (None: the queue default; 0: no limit).
+        priority: Default priority of its runs (1..10, lower first; None: by trigger).
         retry: :class:`RetryPolicy`.
         permanent: Exception types that mean "do not retry" besides
             :class:`~sqla_outbox.errors.PermanentError`.
@@ -100,6 +101,7 @@ class TaskDefinition:
     subscribes: tuple[str, ...] = ()
     schedule: Mapping[str, Any] | None = None
     description: str | None = None
+    priority: int | None = None
     is_async: bool = False
     takes_context: bool = True
     limits: TaskLimits = dataclasses.field(default_factory=TaskLimits)
@@ -126,6 +128,7 @@ class TaskDefinition:
             timeout_seconds=self.timeout_seconds,
             schedule=self.schedule,
             description=self.description,
+            priority=self.priority,
         )
 
 
@@ -264,6 +267,7 @@ class Registry:
         rate_limit: str | None = None,
         concurrency: int | None = None,
         breaker: str | Breaker | None = None,
+        priority: int | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator registering a handler for ``name``.
 
@@ -278,7 +282,7 @@ class Registry:
           or a :class:`~sqla_outbox.worker.limits.Breaker` with its settings.
 
         Raises:
-            ConfigurationError: Unknown queue or scope, a bad timeout, a name or event name
+            ConfigurationError: Unknown queue or scope, a bad timeout or priority, a name or event name
                 outside ``[A-Za-z0-9_.:-]{1,200}``, a bad schedule (cron expression or
                 interval), a bad ``rate_limit``/``concurrency``/``breaker`` or breaker
                 settings that conflict with another task's, or ``name`` already registered
@@ -295,6 +299,12 @@ class Registry:
             raise errors.ConfigurationError(f"task {name!r}: unknown scope {scope!r}", option="@task(scope)")
         if timeout_seconds is not None and timeout_seconds < 0:
             raise errors.ConfigurationError(f"task {name!r}: timeout_seconds must be >= 0", option="@task")
+        if priority is not None and not is_priority(priority):
+            raise errors.ConfigurationError(
+                f"task {name!r}: priority must be an integer within {PRIORITY_MIN}..{PRIORITY_MAX} "
+                f"(lower runs first), got {priority!r}",
+                option="@task(priority)",
+            )
         if schedule is not None and not isinstance(schedule, Mapping):
             raise errors.ConfigurationError(
                 f"task {name!r}: schedule must be a mapping such as {{'cron': '0 3 * * *'}} or "
@@ -340,6 +350,7 @@ class Registry:
                 subscribes=tuple(subscribes),
                 schedule=dict(schedule) if schedule else None,
                 description=description or (inspect.getdoc(handler) or "").split("\n")[0] or None,
+                priority=priority,
                 is_async=inspect.iscoroutinefunction(handler),
                 takes_context=len(parameters) >= 2,
                 limits=limits,

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from sqla_outbox import flow
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.events import install
@@ -105,6 +106,7 @@ class Runtime:
         self.counters = WorkerCounters()
         self.gate = Gate(settings, breakers=registry.breakers, worker_id=worker_id)
         self.visibility: dict[str, int] = {}
+        self.pauses = flow.PauseCache(settings.flow_refresh_seconds)
         self._io_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=io_threads, thread_name_prefix="sqla-outbox-io"
         )

@@ -358,6 +358,8 @@ def test_relay_once_reports_that_another_relay_is_active(
             "full": False,
             "leader": False,
             "stalled": False,
+            "throttled": [],
+            "depth_bound": [],
         }
         human = cli("relay", "--once", env=env)
         assert (human.returncode, human.stdout) == (
@@ -380,6 +382,8 @@ def test_relay_once_reports_that_another_relay_is_active(
         "full": False,
         "leader": True,
         "stalled": False,
+        "throttled": [],
+        "depth_bound": [],
     }
 
 

@@ -25,7 +25,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from sqla_outbox import Dispatch
+from sqla_outbox import Dispatch, flow
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from tests import support
@@ -206,9 +206,9 @@ def test_an_operator_watches_runs_flow_then_requeues_a_failed_run_that_succeeds(
         )
         screenshot(page, "schedules")
         page.click("nav >> text=Controls")
-        assert page.locator("#no-controls").is_visible()
+        assert page.locator('[data-control="flow-pause"]').is_visible()
+        assert page.locator("#no-pauses").is_visible()
         assert page.locator("#flow-control #breakers").is_visible()  # read-only breaker states
-        screenshot(page, "controls")
         assert errors == []
     assert [row.worker_id for row in trail(engine, failing) if row.status == "queued"][
         -1
@@ -249,6 +249,84 @@ def test_an_operator_cancels_a_running_run_from_its_page(
         screenshot(page, "run-cancelled")
     assert "saw-cancel" in marker.read_text()
     assert [t.status for t in trail(engine, run_id)] == ["running", "running", "cancelled"]
+
+
+def test_pause_a_task_and_resume_it(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    services: tuple[ServiceProcess, ServiceProcess, ServiceProcess, str],
+    tmp_path: Path,
+) -> None:
+    _relay, worker, _dashboard, base = services
+    worker.wait_for_action("worker.started", timeout=30)
+    with chromium(tmp_path / "profile") as browser:
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        sign_in(page, base)
+        page.click("nav >> text=Controls")
+        form = page.locator("#pause-form")
+        form.locator("select[name=scope]").select_option("task")
+        form.locator("input[name=target]").fill("audit")
+        form.locator("input[name=reason]").fill("<b>provider</b> incident")
+        form.locator('button[data-action="flow-pause"]').click()
+        page.wait_for_selector("#preview-summary")
+        assert "would pause task audit" in page.inner_text("#preview-summary")
+        with engine.connect() as conn:
+            assert flow.list_pauses(conn) == []  # the preview changed nothing
+        screenshot(page, "pause-confirm")
+        page.click("#confirm button[type=submit]")
+        page.wait_for_selector("#result-summary")
+        assert "paused task audit" in page.inner_text("#result-summary")
+        with engine.connect() as conn:
+            [pause] = flow.list_pauses(conn)
+        assert (pause.scope, pause.target, pause.paused_by) == ("task", "audit", "dashboard:alice")
+        assert pause.reason == "<b>provider</b> incident"
+
+        # the task's runs wait in the outbox; another task's run goes through
+        waiting = [dispatch(app, "audit", {"mode": "ok"}, tenant_id=t) for t in (1, 2, 3)]
+        other = dispatch(app, "send_welcome", {"mode": "ok"}, tenant_id=1)
+        wait_for(lambda: status_of(engine, other) == "succeeded", timeout=30, interval=0.2)
+        time.sleep(2)
+        assert {status_of(engine, run_id) for run_id in waiting} == {"queued"}
+        page.click("nav >> text=Controls")
+        row = page.locator('#pauses tr[data-pause="task:audit"]')
+        row.wait_for()
+        assert "<b>provider</b> incident" in row.inner_text()  # shown as text
+        assert row.locator("b").count() == 0
+        screenshot(page, "controls")
+
+        # resume: the held runs leave at once and succeed
+        row.locator('button[data-action="flow-resume"]').click()
+        page.wait_for_selector("#preview-summary")
+        assert "would resume task audit" in page.inner_text("#preview-summary")
+        page.click("#confirm button[type=submit]")
+        page.wait_for_selector("#result-summary")
+        assert "resumed task audit" in page.inner_text("#result-summary")
+        screenshot(page, "resume-result")
+        wait_for(
+            lambda: {status_of(engine, run_id) for run_id in waiting} == {"succeeded"},
+            timeout=30,
+            interval=0.2,
+        )
+        with engine.connect() as conn:
+            assert flow.list_pauses(conn) == []
+            attempts = conn.execute(
+                sa.text("SELECT max(attempts) FROM task_runs WHERE run_id = ANY(:ids)"), {"ids": waiting}
+            ).scalar_one()
+        assert attempts == 1
+
+        # a tenant over its rate limit shows on the Controls page, with how long it waits
+        with engine.begin() as conn:
+            flow.set_tenant(conn, 5, rate_limit_per_minute=2, by="test")
+        time.sleep(1.5)  # a new limit applies within flow_refresh_seconds (1 s)
+        limited = [dispatch(app, "send_welcome", {"mode": "ok"}, tenant_id=5) for _ in range(6)]
+        wait_for(lambda: sum(status_of(engine, run_id) == "succeeded" for run_id in limited) == 2, timeout=30)
+        throttled = page.locator('#throttled tr[data-tenant="5"]')
+        wait_for(lambda: page.goto(base + "/controls") and throttled.count() == 1, timeout=30, interval=0.5)
+        assert "4" in throttled.locator("td").nth(3).inner_text()  # due runs waiting
+        screenshot(page, "controls-throttled")
+        assert errors == []
 
 
 def test_without_the_token_or_the_csrf_token_the_browser_changes_nothing(

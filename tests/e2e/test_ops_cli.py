@@ -156,7 +156,10 @@ def test_status_prints_tables_and_a_json_document(
         "unreceived_count",
         "unreceived",
         "flow_control",
+        "pauses",
+        "throttled",
     }
+    assert document["pauses"] == [] and document["throttled"] == []
     assert {(p["table"], p["queue"], p["pending"], p["due"]) for p in document["pending"]} == {
         ("platform_outbox_messages", "default", 1, 1),
         ("outbox_messages", "critical", 1, 1),

@@ -544,6 +544,75 @@ def test_actions_are_refused_without_the_token_the_csrf_token_or_when_disabled(
     assert len(receive_all(sqs, queues["critical-dlq"], expect=1, timeout=10)) == 1
 
 
+@pytest.mark.parametrize("action", ["flow-pause", "flow-resume"])
+def test_pause_and_resume_are_refused_without_the_token_the_csrf_token_or_when_disabled(
+    engine: sa.Engine, serve: Callable[..., Any], action: str
+) -> None:
+    from sqla_outbox import flow
+
+    if action == "flow-resume":
+        with engine.begin() as conn:
+            flow.pause(conn, queue="bulk", by="test")
+    form = {"scope": "queue", "target": "bulk", "confirmed": "yes"}
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    with serve(dashboard_token=TOKEN, dashboard_actions=True) as client:
+        assert client.post(f"/actions/{action}", data=form).status_code == 401  # no token
+        wrong_token = client.post(
+            f"/actions/{action}", data=form, headers={"Authorization": "Bearer wrong-token-wrong"}
+        )
+        assert wrong_token.status_code == 401
+        login = client.get("/login")
+        signed_in = client.post(
+            "/login", data={"csrf_token": csrf_token(login.text), "token": TOKEN, "name": "op"}
+        )
+        assert signed_in.status_code == 303
+        assert client.post(f"/actions/{action}", data=form).status_code == 403  # session, no CSRF
+        csrf = csrf_token(client.get("/").text)
+        wrong = client.post(f"/actions/{action}", data={**form, "csrf_token": csrf[::-1]})
+        assert wrong.status_code == 403 and "CSRF" in wrong.text
+        cross = client.post(
+            f"/actions/{action}",
+            data={**form, "csrf_token": csrf},
+            headers={**bearer, "Sec-Fetch-Site": "cross-site"},
+        )
+        assert cross.status_code == 403
+        unconfirmed = client.post(
+            f"/actions/{action}", data={"scope": "queue", "target": "bulk", "csrf_token": csrf}
+        )
+        assert unconfirmed.status_code == 400 and "confirm the action" in unconfirmed.text
+    with serve(dashboard_token=TOKEN) as client:  # actions off
+        csrf = csrf_token(client.get("/", headers=bearer).text)
+        off = client.post(f"/actions/{action}", data={**form, "csrf_token": csrf}, headers=bearer)
+        assert off.status_code == 403
+    with engine.connect() as conn:
+        pauses = [(p.scope, p.target) for p in flow.list_pauses(conn)]
+    assert pauses == ([] if action == "flow-pause" else [("queue", "bulk")])  # nothing changed
+
+
+def test_the_controls_page_shows_pauses_and_throttled_tenants(
+    app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
+) -> None:
+    from sqla_outbox import Dispatch, flow
+
+    with engine.begin() as conn:
+        flow.pause(conn, task="audit", by="dashboard:alice", reason="<script>x</script>")
+        flow.set_tenant(conn, 7, rate_limit_per_minute=1)
+    with app() as session, session.begin():
+        session.add_all([Dispatch("send_welcome", {}, tenant_id=7) for _ in range(3)])
+    with engine.begin() as conn:  # one sent within the minute: the tenant is at its limit
+        conn.execute(
+            sa.text(
+                "UPDATE outbox_messages SET sent_at = clock_timestamp() "
+                "WHERE id = (SELECT min(id) FROM outbox_messages)"
+            )
+        )
+    with serve(dashboard_token=TOKEN, dashboard_actions=True) as client:
+        page = client.get("/controls", headers={"Authorization": f"Bearer {TOKEN}"}).text
+    assert 'data-pause="task:audit"' in page and "dashboard:alice" in page
+    assert "<script>x</script>" not in page and "&lt;script&gt;" in page
+    assert 'data-tenant="7"' in page
+
+
 # --- mounted in an application -------------------------------------------------------------
 
 

@@ -31,6 +31,8 @@ OUR_TABLES = {
     "schedule_slots",
     "task_groups",
     "schedule_tenant_slots",
+    "flow_pauses",
+    "tenant_flow",
 }
 
 
@@ -142,6 +144,7 @@ def test_schema_is_what_the_spec_says(database_url: str) -> None:
         "created_at": ("timestamp with time zone", "NO"),
         "parked_at": ("timestamp with time zone", "YES"),
         "last_error": ("text", "YES"),
+        "priority": ("smallint", "NO"),
     }
     for table, column, data_type, nullable, default, is_identity, generation in columns:
         assert (data_type, nullable) == spec[column], (table, column)
@@ -151,6 +154,8 @@ def test_schema_is_what_the_spec_says(database_url: str) -> None:
             assert default == "clock_timestamp()"
         if column == "attempts":
             assert default == "0"
+        if column == "priority":
+            assert default == "3"
     assert {c[1] for c in columns if c[0] == "platform_outbox_messages"} == set(spec) - {"tenant_id"}
     assert (
         index is not None

@@ -342,12 +342,15 @@ def test_registry_places_actions_and_refuses_clashes() -> None:
     )
     assert registry.for_run(run) == [requeue] and requeue.run_fields(run) == {"run_id": str(run.run_id)}
     assert registry.for_run(dataclasses.replace(run, status="succeeded")) == []
-    [cancel] = registry.in_place("runs")
+    assert [a.name for a in registry.in_place("runs")] == ["runs-cancel"]
     assert [
-        registry.for_run(dataclasses.replace(run, status=s)) for s in ("queued", "running", "retrying")
-    ] == [[cancel]] * 3
+        [a.name for a in registry.for_run(dataclasses.replace(run, status=s))]
+        for s in ("queued", "running", "retrying")
+    ] == [["runs-cancel", "flow-pause"], ["runs-cancel"], ["runs-cancel", "flow-pause"]]
     assert registry.for_run(dataclasses.replace(run, status="cancelled")) == []
-    assert registry.in_place("controls") == []
+    assert [a.name for a in registry.in_place("controls")] == ["flow-pause", "flow-resume"]
+    pause = registry.get("flow-pause")
+    assert pause is not None and pause.run_fields(run) == {"scope": "task", "target": "t"}
     with pytest.raises(ValueError, match="already registered"):
         registry.register(DlqRequeue())
 
@@ -356,6 +359,25 @@ def test_registry_places_actions_and_refuses_clashes() -> None:
 
     with pytest.raises(ValueError, match="lower-case"):
         ActionRegistry([Bad()])
+
+
+def test_pause_and_resume_forms_are_checked() -> None:
+    registry = default_actions()
+    pause, resume = registry.get("flow-pause"), registry.get("flow-resume")
+    assert pause is not None and resume is not None
+    parsed = pause.parse({"scope": ["tenant"], "target": ["42"], "reason": [" incident "]})
+    assert (parsed.target.scope, parsed.target.target, parsed.reason) == ("tenant", "42", "incident")
+    assert parsed.kwargs() == {"tenant_id": 42}
+    assert resume.parse({"scope": ["queue"], "target": ["bulk"]}).kwargs() == {"queue": "bulk"}
+    for form, message in (
+        ({"target": ["audit"]}, "choose what to pause"),
+        ({"scope": ["task"], "target": [""]}, "name the task"),
+        ({"scope": ["tenant"], "target": ["acme"]}, "is not a tenant id"),
+        ({"scope": ["queue"], "target": ["bad queue!"]}, "is not a queue name"),
+        ({"scope": ["task"], "target": ["bad name!"]}, "task names"),
+    ):
+        with pytest.raises(ActionInputError, match=message):
+            pause.parse(form)
 
 
 # --- settings and the command's exposure checks ----------------------------------------------
