@@ -2,7 +2,7 @@
 
 The Python API behind ``python -m sqla_outbox pause|resume|flow`` and the dashboard's
 controls, and what the relay and the workers read. Everything lives in PostgreSQL
-(``flow_pauses``, ``tenant_flow``, migration ``sqlaob_0005``), so it survives restarts
+(``flow_pauses``, ``tenant_flow``, migration ``sqlaob_0007``), so it survives restarts
 and every relay and worker sees the same state. docs/flow-control.md explains the design.
 
 Pausing writes one row; nothing else moves. The relay (:mod:`sqla_outbox.relay.flow`)

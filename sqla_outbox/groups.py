@@ -2,7 +2,7 @@
 
 A group is dispatched with ``session.add(sqla_outbox.Group(members, on_complete=...))``
 (:class:`sqla_outbox.dispatch.Group`). Its ``task_groups`` row counts the members not
-finished yet; the database trigger ``task_runs_group_finish`` (migration sqlaob_0008)
+finished yet; the database trigger ``task_runs_group_finish`` (migration sqlaob_0006)
 decrements it in each member's finishing transaction and writes the completion run when it
 reaches 0 (``docs/groups.md``, ADR 0016).
 

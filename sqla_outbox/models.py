@@ -122,7 +122,7 @@ class OutboxMessage(Base):
         CheckConstraint(f"queue IN ({_QUEUE_LIST})", name="queue"),
         CheckConstraint("sent_at IS NULL OR parked_at IS NULL", name="parked"),
         CheckConstraint("priority BETWEEN 1 AND 10", name="priority"),
-        # sqlaob_0005: the relay's fair claim (per queue[, tenant], priority first)
+        # sqlaob_0007: the relay's fair claim (per queue[, tenant], priority first)
         Index(
             "outbox_messages_fair_idx",
             "queue",
@@ -173,7 +173,7 @@ class PlatformOutboxMessage(Base):
         CheckConstraint(f"queue IN ({_QUEUE_LIST})", name="queue"),
         CheckConstraint("sent_at IS NULL OR parked_at IS NULL", name="parked"),
         CheckConstraint("priority BETWEEN 1 AND 10", name="priority"),
-        # sqlaob_0005: the relay's fair claim (per queue[, tenant], priority first)
+        # sqlaob_0007: the relay's fair claim (per queue[, tenant], priority first)
         Index(
             "platform_outbox_messages_fair_idx",
             "queue",
@@ -254,7 +254,7 @@ class TaskRun(Base):
     last_error_type: Mapped[str | None] = mapped_column(Text)
     last_error: Mapped[str | None] = mapped_column(Text)
     dead_lettered_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
-    # sqlaob_0007: cancel requests and handler results
+    # sqlaob_0005: cancel requests and handler results
     cancel_requested_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
     result: Mapped[Any | None] = mapped_column(JSONB)
     group_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
@@ -292,14 +292,14 @@ class TaskRun(Base):
         Index("task_runs_created_at_idx", "created_at"),
         Index("task_runs_task_created_at_idx", "task", "created_at"),
         Index("task_runs_tenant_id_created_at_idx", "tenant_id", "created_at"),
-        # sqlaob_0007: Cancel/Reschedule by idempotency key, finished runs included
+        # sqlaob_0005: Cancel/Reschedule by idempotency key, finished runs included
         Index(
             "task_runs_task_idempotency_key_idx",
             "task",
             "idempotency_key",
             postgresql_where=text("idempotency_key IS NOT NULL"),
         ),
-        # sqlaob_0008: a group's members
+        # sqlaob_0006: a group's members
         Index("task_runs_group_id_idx", "group_id", postgresql_where=text("group_id IS NOT NULL")),
     )
 
@@ -434,7 +434,7 @@ class TaskGroup(Base):
     """A group of runs dispatched together, and the run that completes it.
 
     Written by ``session.add(sqla_outbox.Group(...))`` in the dispatching transaction;
-    updated only by the trigger ``task_runs_group_finish`` (migration sqlaob_0008), in the
+    updated only by the trigger ``task_runs_group_finish`` (migration sqlaob_0006), in the
     transaction that moves a member out of the unfinished statuses.
 
     Columns:

@@ -33,7 +33,7 @@ class ClaimedRow:
         id: Row id. run_id / queue / tenant_id / envelope: Row values.
         attempts: Failed send attempts so far.
         available_at: When it became due.
-        priority: 1..10, lower first (sqlaob_0005).
+        priority: 1..10, lower first (sqlaob_0007).
     """
 
     table: str

@@ -1,6 +1,6 @@
 """sqla_outbox: the ``cancelled`` run status, cancel requests and handler results.
 
-Revision ID: sqlaob_0007
+Revision ID: sqlaob_0005
 Revises: sqlaob_0004
 Create Date: 2026-11-30
 
@@ -23,7 +23,7 @@ from sqlalchemy.dialects import postgresql
 
 from alembic import op
 
-revision = "sqlaob_0007"
+revision = "sqlaob_0005"
 down_revision = "sqlaob_0004"
 branch_labels = None
 depends_on = None

@@ -1,7 +1,7 @@
 """sqla_outbox: groups of runs with a completion run, and per-tenant schedule slots.
 
-Revision ID: sqlaob_0008
-Revises: sqlaob_0007
+Revision ID: sqlaob_0006
+Revises: sqlaob_0005
 Create Date: 2026-11-30
 
 * ``task_groups``: one row per group dispatched with ``sqla_outbox.Group``: how many
@@ -29,8 +29,8 @@ from sqlalchemy.dialects import postgresql
 
 from alembic import op
 
-revision = "sqlaob_0008"
-down_revision = "sqlaob_0007"
+revision = "sqlaob_0006"
+down_revision = "sqlaob_0005"
 branch_labels = None
 depends_on = None
 

@@ -1,7 +1,7 @@
 """sqla_outbox: flow control (run priority, pauses, tenant weights and rate limits).
 
-Revision ID: sqlaob_0005
-Revises: sqlaob_0008
+Revision ID: sqlaob_0007
+Revises: sqlaob_0006
 Create Date: 2026-11-30
 
 * ``priority`` on both outbox tables (1..10, lower first; default 3): when more rows are
@@ -23,8 +23,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqla_outbox import migrations
 
-revision = "sqlaob_0005"
-down_revision = "sqlaob_0008"
+revision = "sqlaob_0007"
+down_revision = "sqlaob_0006"
 branch_labels = None
 depends_on = None
 
