@@ -128,7 +128,9 @@ def _make_scheduler(settings: OutboxSettings, catalog: Catalog | None) -> Schedu
         return None
     if catalog is None:
         catalog = scheduling_catalog(settings)
-    scheduler = Scheduler(catalog, max_message_bytes=settings.max_message_bytes)
+    scheduler = Scheduler(
+        catalog, max_message_bytes=settings.max_message_bytes, tenant_foreign_key=settings.tenant_foreign_key
+    )
     return scheduler if scheduler.tasks else None
 
 
@@ -537,7 +539,11 @@ class Relay:
         settings = self._flow_settings(connection)
         weights = {t: f.weight for t, f in settings.items() if f.weight != 1}
         allowance = _Allowance(self, connection)
-        depth = self.depth
+        batch = self.settings.relay_batch_size
+        due = self.fair.discover(connection, most=batch * len(QUEUE_NAMES))
+        # the gauge needs the SQS client: build it only once rows are due (a relay with
+        # nothing to send never reaches SQS, as before fairness)
+        depth = self.depth if due else None
         bound = self.settings.relay_queue_depth
         if depth is not None and bound is None:
             # the default bound follows the live workers (the last count seen, so a restart
@@ -548,11 +554,9 @@ class Relay:
             bound = (
                 auto_depth(self.settings.worker_concurrency, self._workers_seen) if self._workers_seen else 0
             )
-        batch = self.settings.relay_batch_size
         rows: list[ClaimedRow] = []
         retry: list[float] = []
         throttled: set[int] = set()
-        due = self.fair.discover(connection, most=batch * len(QUEUE_NAMES))
         served: set[tuple[str, int]] = set()
         for queue, found in due.items():
             budget = batch

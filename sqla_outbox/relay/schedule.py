@@ -44,6 +44,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import sqlalchemy as sa
 from croniter import croniter  # type: ignore[import-untyped]
 from sqlalchemy import BigInteger, DateTime, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
@@ -52,7 +53,7 @@ from sqlalchemy.exc import DBAPIError
 
 from sqla_outbox.catalog import Catalog, TaskSpec
 from sqla_outbox.dispatch import Dispatch
-from sqla_outbox.logging import log_extra
+from sqla_outbox.logging import describe_error, log_extra
 from sqla_outbox.types import TRIGGER_PRIORITIES
 from sqla_outbox.write import write_runs
 
@@ -144,10 +145,14 @@ class Scheduler:
     Args:
         catalog: Tasks with a ``schedule``.
         max_message_bytes: Envelope size limit (as for any dispatch).
+        tenant_foreign_key: ``[schema.]table.column`` that ``tenant_id`` references (the
+            ``tenant_foreign_key`` setting), or None: a fan-out schedule dispatches only to
+            listed tenants that exist there, so a stale id cannot fail the slot for all.
     """
 
     catalog: Catalog
     max_message_bytes: int = 262_144
+    tenant_foreign_key: str | None = None
     _done: dict[str, dt.datetime] = dataclasses.field(default_factory=dict)
     dispatched: int = 0
 
@@ -166,10 +171,14 @@ class Scheduler:
             logger.error(
                 "schedule tenants not listed",
                 extra=log_extra(
-                    action="relay.schedule_tenants_failed", task=spec.name, error_type=type(exc).__name__
+                    action="relay.schedule_tenants_failed",
+                    task=spec.name,
+                    error_type=type(exc).__name__,
+                    error=describe_error(exc) if isinstance(exc, DBAPIError) else str(exc)[:200],
                 ),
             )
             return []
+        tenant_ids = self._existing(connection, spec, tenant_ids)
         if not tenant_ids:
             return []
         run_ids = [tenant_slot_run_id(spec.name, t, slot) for t in tenant_ids]
@@ -190,6 +199,30 @@ class Scheduler:
             for t, run_id in zip(tenant_ids, run_ids, strict=True)
             if t in advanced
         ]
+
+    def _existing(self, connection: Connection, spec: TaskSpec, tenant_ids: list[int]) -> list[int]:
+        """``tenant_ids`` less those the tenant foreign key's table does not hold (logged by
+        id: a deleted tenant still listed by the query would otherwise fail the whole slot,
+        every tenant's, on the foreign key, at every tick)."""
+        if self.tenant_foreign_key is None or not tenant_ids:
+            return tenant_ids
+        *path, column = self.tenant_foreign_key.split(".")
+        table = sa.table(path[-1], sa.column(column), schema=path[0] if len(path) == 2 else None)
+        present = set(
+            connection.execute(sa.select(table.c[column]).where(table.c[column].in_(tenant_ids))).scalars()
+        )
+        missing = [t for t in tenant_ids if t not in present]
+        if missing:
+            logger.warning(
+                "schedule tenants skipped: not in the tenants table",
+                extra=log_extra(
+                    action="relay.schedule_tenants_missing",
+                    task=spec.name,
+                    tenants=",".join(str(t) for t in missing[:20]),
+                    count=len(missing),
+                ),
+            )
+        return [t for t in tenant_ids if t in present]
 
     def tick(self, connection: Connection) -> int:
         """Dispatch every task's latest slot not handled yet. Commits. Returns new runs.

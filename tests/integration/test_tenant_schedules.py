@@ -118,6 +118,28 @@ def test_a_failing_tenant_query_is_logged_and_other_schedules_still_run(
     )
 
 
+def test_a_listed_tenant_missing_from_the_tenants_table_is_skipped_not_blocking_the_others(
+    engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial finding: a stale id (999, no such tenant) failed the slot's insert on the
+    tenant foreign key for every tenant, and the relay retried it every half second."""
+    catalog = fan_out_catalog(
+        {
+            "cron": "*/5 * * * *",
+            "tenants": {"query": "SELECT id FROM tenants WHERE id <= 2 UNION ALL SELECT 999"},
+        }
+    )
+    with engine.connect() as conn, caplog.at_level(logging.WARNING):
+        assert Scheduler(catalog, tenant_foreign_key="tenants.id").tick(conn) == 2
+    assert sorted(r.tenant_id for r in runs(engine)) == [1, 2]
+    [skipped] = [
+        r.sqla_outbox
+        for r in caplog.records
+        if getattr(r, "sqla_outbox", {}).get("action") == "relay.schedule_tenants_missing"
+    ]
+    assert (skipped["tenants"], skipped["count"]) == ("999", 1)
+
+
 @pytest.mark.parametrize(
     ("scope", "schedule", "message"),
     [
