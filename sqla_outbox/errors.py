@@ -160,7 +160,7 @@ class HandlerNotFound(OutboxError):
 
 
 class RunNotFound(OutboxError):
-    """No run has this run_id (never dispatched, or purged).
+    """No run has this run_id (not committed yet, never dispatched, or purged).
 
     Attributes:
         run_id: The run asked for.
@@ -170,7 +170,10 @@ class RunNotFound(OutboxError):
 
     def __init__(self, run_id: uuid.UUID) -> None:
         self.run_id = run_id
-        super().__init__(f"no run {run_id} (never dispatched, or purged)")
+        super().__init__(
+            f"no run {run_id} (its dispatch not committed yet, never dispatched, or purged; a "
+            "group's completion run exists once the group's last member finished)"
+        )
 
 
 class PermanentError(OutboxError):

@@ -152,13 +152,15 @@ def get_result(
             ``Connection`` (its transaction) or an ``Engine`` (a short connection per read).
         run_id: The run (``Dispatch.run_id``).
         wait: None or 0: read once. Seconds: poll until the run finished or this long
-            passed (module docstring).
+            passed (module docstring); a run that does not exist yet is waited for too (a
+            group's completion run is written when its last member finishes).
 
     Returns:
         A :class:`RunResult`; ``.value`` holds the result of a ``succeeded`` run.
 
     Raises:
-        RunNotFound: No such run (never dispatched, not committed yet, or purged).
+        RunNotFound: No such run (never dispatched, not committed yet, or purged); with
+            ``wait``, none appeared within it.
         ResultTimeout: ``wait`` passed and the run has not finished.
         ConfigurationError: ``wait`` is negative or not a number.
     """
@@ -167,12 +169,27 @@ def get_result(
     if not wait:
         return _read_once(source, run_id)
     engine = _engine_of(source)
-    record = _read_once(engine, run_id)
+    record = _read_if_there(engine, run_id)
     for delay in _delays(wait):
-        if record.finished:
+        if record is not None and record.finished:
             return record
         time.sleep(delay)
-        record = _read_once(engine, run_id)
+        record = _read_if_there(engine, run_id)
+    return _after_wait(run_id, record, started)
+
+
+def _read_if_there(engine: Engine, run_id: uuid.UUID) -> RunResult | None:
+    """A waiting read: a run not there yet (a group's completion run, written when the last
+    member finishes; a dispatch whose transaction has not committed) is None, not an error."""
+    try:
+        return _read_once(engine, run_id)
+    except errors.RunNotFound:
+        return None
+
+
+def _after_wait(run_id: uuid.UUID, record: RunResult | None, started: float) -> RunResult:
+    if record is None:
+        raise errors.RunNotFound(run_id)
     if record.finished:
         return record
     raise errors.ResultTimeout(run_id, status=record.status, waited_seconds=time.monotonic() - started)
@@ -232,12 +249,17 @@ async def get_result_async(source: Any, run_id: uuid.UUID, *, wait: float | None
             f"AsyncEngine, got {type(source).__name__}",
             option="source",
         )
-    record = await read(engine)
+
+    async def read_if_there() -> RunResult | None:
+        try:
+            return await read(engine)
+        except errors.RunNotFound:
+            return None
+
+    record = await read_if_there()
     for delay in _delays(wait):
-        if record.finished:
+        if record is not None and record.finished:
             return record
         await asyncio.sleep(delay)
-        record = await read(engine)
-    if record.finished:
-        return record
-    raise errors.ResultTimeout(run_id, status=record.status, waited_seconds=time.monotonic() - started)
+        record = await read_if_there()
+    return _after_wait(run_id, record, started)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from typing import Any
@@ -100,3 +101,32 @@ def test_wait_times_out_for_an_unfinished_run(app: sessionmaker[Session], engine
         results.get_result(engine, uuid.uuid4())
     with pytest.raises(errors.ConfigurationError, match="wait"):
         results.get_result(engine, run_id, wait=-1)
+
+
+def test_a_wait_waits_for_a_run_that_does_not_exist_yet(engine: sa.Engine) -> None:
+    """Trial finding: waiting on a group's completion run (written when the last member
+    finishes) raised RunNotFound at once; a wait now waits for the run to appear."""
+    run_id = uuid.uuid4()
+
+    def finish_later() -> None:
+        time.sleep(0.4)
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO task_runs (run_id, task, queue, available_at, status, finished_at, result) "
+                    "VALUES (:r, 'rebuild_cache', 'maintenance', now(), 'succeeded', now(), '{\"ok\": 1}')"
+                ),
+                {"r": run_id},
+            )
+
+    writer = threading.Thread(target=finish_later)
+    writer.start()
+    try:
+        record = results.get_result(engine, run_id, wait=10)
+    finally:
+        writer.join()
+    assert (record.status, record.value) == ("succeeded", {"ok": 1})
+    started = time.monotonic()
+    with pytest.raises(errors.RunNotFound, match="not committed yet"):
+        results.get_result(engine, uuid.uuid4(), wait=0.3)
+    assert time.monotonic() - started >= 0.3
