@@ -280,6 +280,23 @@ class Catalog:
         return cls.load(path).queue_names() if Path(path).exists() else QUEUE_NAMES
 
     @classmethod
+    def unknown_task_at(cls, path: str | Path, task: str) -> str | None:
+        """Why ``task`` is not a task of the catalog file at ``path`` (a sentence naming the
+        file), or None when it is, or when there is no file there to ask (operations commands
+        that run without a catalog). Operators' commands use it so that a mistyped name in
+        a pause or a cancel is refused instead of silently matching nothing.
+
+        Raises:
+            CatalogError: The file exists but is not a valid catalog.
+        """
+        if not Path(path).exists():
+            return None
+        tasks = cls.load(path).tasks
+        if task in tasks:
+            return None
+        return f"no task {task!r} in the catalog {str(path)!r} (check the name: it would match nothing)"
+
+    @classmethod
     def from_dict(cls, data: Any, *, source: str | None = None) -> Catalog:
         """Validate a parsed catalog document and build the :class:`Catalog`.
 

@@ -272,6 +272,13 @@ def runs_cancel_command(
         from sqla_outbox.ops import cancel
 
         settings = load_settings(**options)
+        if task is not None:
+            from sqla_outbox import errors
+            from sqla_outbox.catalog import Catalog
+
+            problem = Catalog.unknown_task_at(settings.catalog_path, task)
+            if problem:  # a typo would cancel nothing and look like success
+                raise errors.ConfigurationError(problem, option="--task")
         with outbox_engine(settings) as engine:
             report = cancel.cancel_runs(
                 engine,

@@ -345,6 +345,9 @@ class RunsCancel(Action):
     places = frozenset({"run", "runs"})
     confirm_label = "Cancel the runs"
 
+    def __init__(self, tasks: frozenset[str] | None = None) -> None:
+        self.tasks = tasks
+
     def applies_to_run(self, run: RunRecord) -> bool:
         return run.status in UNFINISHED_STATUSES
 
@@ -358,6 +361,8 @@ class RunsCancel(Action):
         tasks = _values(form, "task")
         if len(tasks) > 1 or any(len(task) > 200 for task in tasks):
             raise ActionInputError("one task name of at most 200 characters", field="task")
+        for task in tasks:
+            _known_task(self.tasks, task, "task")
         tenant_id = None
         tenants = _values(form, "tenant")
         if tenants:
@@ -512,6 +517,10 @@ class FlowPause(Action):
     confirm_label = "Pause"
     form_template = "control_pause.html"
 
+    def __init__(self, tasks: frozenset[str] | None = None, queues: tuple[str, ...] | None = None) -> None:
+        self.tasks = tasks
+        self.queues = queues
+
     def applies_to_run(self, run: RunRecord) -> bool:
         return run.status in ("queued", "retrying")
 
@@ -520,7 +529,12 @@ class FlowPause(Action):
 
     def parse(self, form: Form) -> FlowTarget:
         reason = (form.get("reason") or [""])[-1].strip()[:500] or None
-        return FlowTarget(_flow_target(form), reason)
+        target = _flow_target(form)
+        if target.scope == "task":
+            _known_task(self.tasks, target.target, "target")
+        if target.scope == "queue" and self.queues is not None and target.target not in self.queues:
+            raise ActionInputError(f"no queue {target.target!r} (check the name)", field="target")
+        return FlowTarget(target, reason)
 
     def preview(self, context: ActionContext, params: FlowTarget) -> ActionReport:
         return ActionReport(
@@ -577,7 +591,16 @@ class FlowResume(Action):
         )
 
 
-def default_actions(queues: tuple[str, ...] = QUEUE_NAMES) -> ActionRegistry:
+def default_actions(
+    queues: tuple[str, ...] = QUEUE_NAMES, tasks: frozenset[str] | None = None
+) -> ActionRegistry:
     """The actions that exist today: :class:`DlqRequeue` (on ``queues``), :class:`RunsCancel`,
-    :class:`FlowPause`, :class:`FlowResume`."""
-    return ActionRegistry([DlqRequeue(queues), RunsCancel(), FlowPause(), FlowResume()])
+    :class:`FlowPause`, :class:`FlowResume`. ``tasks``: the catalog's task names, so that a
+    cancel or a pause naming another task is refused (None: no catalog, nothing checked)."""
+    return ActionRegistry([DlqRequeue(queues), RunsCancel(tasks), FlowPause(tasks, queues), FlowResume()])
+
+
+def _known_task(tasks: frozenset[str] | None, task: str, field: str) -> None:
+    """Refuse a task the catalog does not know: it would match nothing, silently."""
+    if tasks is not None and task not in tasks:
+        raise ActionInputError(f"no task {task!r} in the catalog (check the name)", field=field)

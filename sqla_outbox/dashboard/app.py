@@ -700,11 +700,16 @@ def create_app(
     """
     settings = settings if settings is not None else OutboxSettings.from_env()
     auth = Auth(settings, identify=identify, secret_key=secret_key)
+    tasks: frozenset[str] | None = None
     try:
         queues = Catalog.queue_names_at(settings.catalog_path)
+        if Path(settings.catalog_path).exists():
+            tasks = frozenset(Catalog.load(settings.catalog_path).tasks)
     except errors.CatalogError:
         queues = QUEUE_NAMES
-    dashboard = Dashboard(settings, engine=engine, actions=actions or default_actions(queues), auth=auth)
+    dashboard = Dashboard(
+        settings, engine=engine, actions=actions or default_actions(queues, tasks), auth=auth
+    )
     pages = Pages(dashboard)
     routes = [
         Route("/", pages.overview, name="overview"),

@@ -96,3 +96,24 @@ def test_runs_show_prints_the_result(
     assert "\x1b" not in human.stdout  # escaped, never sent to the terminal
     listed: list[dict[str, Any]] = cli_json(env, "runs", "list")
     assert listed[0]["result"] is None  # lists never load results
+
+
+def test_a_mistyped_task_or_queue_is_refused_not_reported_as_done(
+    app: sessionmaker[Session], engine: sa.Engine, env: dict[str, str]
+) -> None:
+    """Trial finding: `pause --task typo_task` printed "paused task typo_task" and
+    `runs cancel --task nope` "0 run(s) were cancelled", both exit 0: during an incident a
+    typo would silently do nothing. With a catalog, names it does not know are refused."""
+    run_id = dispatch(app, "charge_card", {}, tenant_id=3)
+    for args, option in (
+        (("pause", "--task", "charge_crad"), "--task"),
+        (("pause", "--queue", "critcal"), "--queue"),
+        (("runs", "cancel", "--task", "charge_crad"), "--task"),
+    ):
+        result = cli(env, *args)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert result.stderr.startswith(f"error: {option}: no ") and "check the name" in result.stderr
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM flow_pauses")).scalar() == 0
+    assert run_row(engine, run_id).status == "queued"
+    assert cli(env, "pause", "--task", "charge_card").returncode == 0  # a known task still pauses

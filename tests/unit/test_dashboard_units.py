@@ -432,3 +432,19 @@ def test_the_command_refuses_an_open_or_anonymous_acting_dashboard() -> None:
         check_exposure(OutboxSettings(dashboard_host="0.0.0.0"))
     with pytest.raises(errors.ConfigurationError, match="actions need an authenticated operator"):
         check_exposure(OutboxSettings(dashboard_actions=True))
+
+
+def test_pause_and_cancel_refuse_a_task_or_queue_the_catalog_does_not_know() -> None:
+    """Trial finding: the dashboard answered "paused task no_such_task" (200)."""
+
+    registry = default_actions(("critical", "default", "bulk", "maintenance"), frozenset({"charge_card"}))
+    pause, cancel = registry.get("flow-pause"), registry.get("runs-cancel")
+    assert pause is not None and cancel is not None
+    assert pause.parse({"scope": ["task"], "target": ["charge_card"]}).target.target == "charge_card"
+    for action, form in (
+        (pause, {"scope": ["task"], "target": ["no_such_task"]}),
+        (pause, {"scope": ["queue"], "target": ["critcal"]}),
+        (cancel, {"task": ["no_such_task"]}),
+    ):
+        with pytest.raises(ActionInputError, match="check the name"):
+            action.parse(form)
