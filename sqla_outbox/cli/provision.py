@@ -61,6 +61,20 @@ def provision_command(
 
         path = Path(settings.catalog_path)
         catalog = Catalog.load(path) if path.exists() else None
+        known = catalog.queue_names() if catalog is not None else Catalog.queue_names_at(path)
+        unknown = [
+            entry.partition("=")[0].strip()
+            for entry in settings.queue_visibility_timeouts
+            if entry.partition("=")[0].strip() not in known
+        ]
+        if unknown:  # a typo would be ignored while provision reports every queue unchanged
+            from sqla_outbox import errors
+
+            raise errors.ConfigurationError(
+                f"no queue {', '.join(map(repr, unknown))} among the default queues and the "
+                f"catalog's ({', '.join(known)}): check the name",
+                option="SQLA_OUTBOX_QUEUE_VISIBILITY_TIMEOUTS",
+            )
         reports = provision(make_client(settings), settings, fix=fix, catalog=catalog)
         if as_json:
             print_json([dataclasses.asdict(r) for r in reports])

@@ -71,6 +71,15 @@ def test_unknown_import_is_reported_with_exit_code_2(settings: OutboxSettings, s
     assert "cannot import task module 'no.such.module'" in result.stderr
 
 
+def test_provision_refuses_a_visibility_setting_for_a_queue_that_does_not_exist(
+    settings: OutboxSettings, sqs_endpoint: str
+) -> None:
+    """Trial finding: ``nosuch=60`` was ignored and every queue reported unchanged."""
+    env = {**service_env(settings, sqs_endpoint), "SQLA_OUTBOX_QUEUE_VISIBILITY_TIMEOUTS": "nosuch=60"}
+    result = cli("provision", env=env)
+    assert_one_line_error(result, 2, "SQLA_OUTBOX_QUEUE_VISIBILITY_TIMEOUTS", "no queue 'nosuch'")
+
+
 def test_provision_is_idempotent_and_reports_drift(settings: OutboxSettings, sqs_endpoint: str) -> None:
     env = service_env(settings, sqs_endpoint)
     first = cli("provision", "--json", env=env)
