@@ -172,7 +172,9 @@ class Control:
             statuses=chosen,
         )
         self.by = charsets.for_postgres(by)[:_MAX_TEXT]
-        self.reason = None if reason is None else charsets.for_postgres(str(reason))[:_MAX_TEXT]
+        if reason is not None and not isinstance(reason, str):
+            raise errors.InvalidControl(kind, f"reason must be text, got {type(reason).__name__}")
+        self.reason = None if reason is None else charsets.for_postgres(reason)[:_MAX_TEXT]
         self.results: list[RunControlResult] = []
         self.applied = False
 
@@ -302,7 +304,9 @@ class Reschedule(Control):
                     raise errors.InvalidControl("Reschedule", f"delay must be finite, got {delay!r}")
                 delay = dt.timedelta(seconds=delay)
             if delay < dt.timedelta(0):
-                raise errors.InvalidControl("Reschedule", f"delay must not be negative, got {delay}")
+                raise errors.InvalidControl(
+                    "Reschedule", f"delay must not be negative, got {delay.total_seconds():g} s"
+                )
         self.available_at = available_at
         self.delay = delay
 

@@ -254,8 +254,9 @@ def _render_flow_control(out: Any, flow: Any) -> None:
             state = b.state.replace("_", "-")
             policy = b.settings
             settings = (
-                f"{policy.failures} failures → open {format_age(policy.open_seconds)}, "
-                f"{policy.successes} successes close"
+                f"{policy.failures} failure{'s' if policy.failures != 1 else ''} → open "
+                f"{format_age(policy.open_seconds)}, "
+                f"{policy.successes} success{'es' if policy.successes != 1 else ''} close"
             )
             shown.add_row(
                 b.key,

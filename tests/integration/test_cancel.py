@@ -213,6 +213,10 @@ def test_bad_controls_fail_at_construction_or_add(factory: sessionmaker[Session]
         Reschedule(uuid.uuid4())
     with pytest.raises(errors.InvalidControl, match="timezone-aware"):
         Reschedule(uuid.uuid4(), available_at=dt.datetime(2030, 1, 1))
+    with pytest.raises(errors.InvalidControl, match="got -5 s"):  # not "-1 day, 23:59:55"
+        Reschedule(uuid.uuid4(), delay=-5)
+    with pytest.raises(errors.InvalidControl, match="reason must be text, got int"):
+        Cancel(uuid.uuid4(), reason=5)  # type: ignore[arg-type]
     with factory() as session, pytest.raises(errors.UnknownTask):
         session.add(Cancel(task="no_such_task"))
 
