@@ -21,6 +21,7 @@ from sqla_outbox.cli.options import (
     load_settings,
     outbox_connection,
     outbox_engine,
+    refuse_unknown_names,
     setup_logging,
 )
 from sqla_outbox.cli.terminal import console, jsonable, print_json, styled, table, text, when
@@ -37,28 +38,6 @@ def _target_options(func: Callable[..., Any]) -> Callable[..., Any]:
     ):
         func = decorator(func)
     return func
-
-
-def _refuse_unknown(settings: Any, *, task: str | None, queue: str | None) -> None:
-    """A pause of a task or queue the catalog does not know would hold nothing back: refuse
-    it (exit code 2) rather than report success. Without a catalog file, nothing to check.
-
-    Raises:
-        ConfigurationError: The task or queue is not in the catalog.
-    """
-    from sqla_outbox import errors
-    from sqla_outbox.catalog import Catalog
-
-    if task is not None:
-        problem = Catalog.unknown_task_at(settings.catalog_path, task)
-        if problem:
-            raise errors.ConfigurationError(problem, option="--task")
-    if queue is not None and queue not in Catalog.queue_names_at(settings.catalog_path):
-        raise errors.ConfigurationError(
-            f"no queue {queue!r} among the default queues and the catalog's "
-            f"{settings.catalog_path!r} (check the name: it would match nothing)",
-            option="--queue",
-        )
 
 
 def _who(by: str | None) -> str:
@@ -95,7 +74,7 @@ def pause_command(
 
         what = flow.target(task=task, tenant_id=tenant_id, queue=queue)
         settings = load_settings(**options)
-        _refuse_unknown(settings, task=task, queue=queue)
+        refuse_unknown_names(settings, task=task, queue=queue)
         with outbox_engine(settings) as engine, engine.begin() as connection:
             new = flow.pause(
                 connection, task=task, tenant_id=tenant_id, queue=queue, by=_who(by), reason=reason

@@ -143,6 +143,28 @@ def duration(ctx: click.Context, param: click.Parameter, value: Any) -> dt.timed
         ) from None
 
 
+def refuse_unknown_names(settings: Any, *, task: str | None, queue: str | None) -> None:
+    """Refuse a task or queue the catalog does not know (exit code 2): an operator's pause or
+    cancel naming it would match nothing and still report success. Without a catalog file,
+    nothing to check.
+
+    Raises:
+        ConfigurationError: The task or queue is not in the catalog.
+    """
+    from sqla_outbox.catalog import Catalog
+
+    if task is not None:
+        problem = Catalog.unknown_task_at(settings.catalog_path, task)
+        if problem:
+            raise errors.ConfigurationError(problem, option="--task")
+    if queue is not None and queue not in Catalog.queue_names_at(settings.catalog_path):
+        raise errors.ConfigurationError(
+            f"no queue {queue!r} among the default queues and the catalog's "
+            f"{settings.catalog_path!r} (check the name: it would match nothing)",
+            option="--queue",
+        )
+
+
 def tenant(ctx: click.Context, param: click.Parameter, value: Any) -> int | str | None:
     """Option callback: a tenant id, or ``platform`` for runs without a tenant."""
     if value is None or value == "platform":

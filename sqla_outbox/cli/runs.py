@@ -19,6 +19,7 @@ from sqla_outbox.cli.options import (
     load_settings,
     outbox_connection,
     queue_names,
+    refuse_unknown_names,
     setup_logging,
     tenant,
 )
@@ -272,13 +273,7 @@ def runs_cancel_command(
         from sqla_outbox.ops import cancel
 
         settings = load_settings(**options)
-        if task is not None:
-            from sqla_outbox import errors
-            from sqla_outbox.catalog import Catalog
-
-            problem = Catalog.unknown_task_at(settings.catalog_path, task)
-            if problem:  # a typo would cancel nothing and look like success
-                raise errors.ConfigurationError(problem, option="--task")
+        refuse_unknown_names(settings, task=task, queue=None)
         with outbox_engine(settings) as engine:
             report = cancel.cancel_runs(
                 engine,

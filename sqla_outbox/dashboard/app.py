@@ -13,6 +13,7 @@ are read-only (``default_transaction_read_only``) and bounded
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -700,13 +701,11 @@ def create_app(
     """
     settings = settings if settings is not None else OutboxSettings.from_env()
     auth = Auth(settings, identify=identify, secret_key=secret_key)
-    tasks: frozenset[str] | None = None
-    try:
-        queues = Catalog.queue_names_at(settings.catalog_path)
-        if Path(settings.catalog_path).exists():
-            tasks = frozenset(Catalog.load(settings.catalog_path).tasks)
-    except errors.CatalogError:
-        queues = QUEUE_NAMES
+    queues, tasks = QUEUE_NAMES, None  # no catalog (or a broken one): nothing to check against
+    if Path(settings.catalog_path).exists():
+        with contextlib.suppress(errors.CatalogError):
+            catalog = Catalog.load(settings.catalog_path)
+            queues, tasks = catalog.queue_names(), frozenset(catalog.tasks)
     dashboard = Dashboard(
         settings, engine=engine, actions=actions or default_actions(queues, tasks), auth=auth
     )
