@@ -220,21 +220,34 @@ def envelope_document(task: str = TASK, tenant_id: int | None = None) -> dict[st
 
 
 def fill_backlog(
-    url: str, rows: int, *, tenant: bool = True, chunk: int = 50_000, only_tenant: int | None = None
+    url: str,
+    rows: int,
+    *,
+    tenant: bool = True,
+    chunk: int = 50_000,
+    only_tenant: int | None = None,
+    tenants: int = TENANTS,
 ) -> None:
     """Insert ``rows`` due outbox rows plus their ``task_runs`` rows with set-based SQL.
 
     The envelope is a real ``Dispatch`` envelope with its ``run_id`` replaced per row; the
     rows are what ``Dispatch`` would write, just written faster. Tenant rows spread over
-    tenants 1..20, or all belong to ``only_tenant``; each chunk is one transaction.
+    tenants 1..``tenants`` (added to the ``tenants`` table when missing), or all belong to
+    ``only_tenant``; each chunk is one transaction.
     """
     task = TENANT_TASK if tenant else TASK
     template = envelope_document(task, 1 if tenant else None)
     table = "outbox_messages" if tenant else "platform_outbox_messages"
     tenant_col = "tenant_id, " if tenant else ""
-    tenant_expr = "1 + mod(g, 20)" if only_tenant is None else str(int(only_tenant))
+    tenant_expr = f"1 + mod(g, {int(tenants)})" if only_tenant is None else str(int(only_tenant))
     tenant_val = f"{tenant_expr}, " if tenant else ""
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        if tenants > TENANTS:
+            conn.execute(
+                "INSERT INTO tenants SELECT g, 'tenant ' || g FROM generate_series(1, %(n)s) g "
+                "ON CONFLICT DO NOTHING",
+                {"n": tenants},
+            )
         done = 0
         while done < rows:
             n = min(chunk, rows - done)

@@ -13,6 +13,12 @@ measured through moto by ``bench_relay_sqs.py`` and ``bench_worker.py``.
     ``Relay.run()`` with the real ``SqsSender`` on the fake client, draining
     ``--relay-rows`` rows, for each ``relay_batch_size`` x ``relay_send_concurrency``
     in ``--relay-grid``. rows/s.
+``relays``
+    1, 2, 3 (``--relays``) relay *processes* at once (``benchmarks/_relay_process.py``: the
+    real ``Relay.run()``, each with a fake SQS of its own, as real SQS scales out), on one
+    database with ``relay_partitions`` = ``--partitions`` (12 splits evenly over 1, 2 and 3):
+    a backlog of ``--relays-rows`` rows over 240 tenants is made due in one statement once
+    the relays have split the partitions, and timed until every row is sent. rows/s.
 ``worker``
     ``Worker.run()`` (sync no-op handler) on the fake client, draining ``--worker-runs``
     pre-filled messages (their ``task_runs`` rows queued in PostgreSQL), for each
@@ -23,9 +29,13 @@ Each configuration runs ``--rounds`` times (configurations alternate); medians r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import _common as common
@@ -130,6 +140,9 @@ def main() -> None:
         default="100x1,100x4,100x10,500x16,500x50",
         help="relay_batch_size x relay_send_concurrency pairs (default 100x1,100x4,100x10,500x16,500x50)",
     )
+    p.add_argument("--relays", default="1,2,3", help="relay process counts (default 1,2,3; '' for none)")
+    p.add_argument("--relays-rows", type=int, default=9000, help="backlog per relay-process count")
+    p.add_argument("--partitions", type=int, default=12, help="relay_partitions for --relays (default 12)")
     p.add_argument("--worker-runs", type=int, default=600, help="messages per worker configuration")
     p.add_argument(
         "--worker-concurrency", default="1,8,32", help="worker_concurrency values (default 1,8,32)"
@@ -145,7 +158,8 @@ def main() -> None:
 
     latency = args.latency_ms / 1000
     grid = _grid(args.relay_grid)
-    concurrencies = [int(x) for x in args.worker_concurrency.split(",")]
+    concurrencies = [int(x) for x in args.worker_concurrency.split(",") if x]
+    relay_counts = [int(x) for x in args.relays.split(",") if x]
     report = common.Report(
         "bench_scaling",
         args,
@@ -156,6 +170,9 @@ def main() -> None:
             "relay_grid": args.relay_grid,
             "worker_runs": args.worker_runs,
             "worker_concurrency": concurrencies,
+            "relays": relay_counts,
+            "relays_rows": args.relays_rows,
+            "partitions": args.partitions,
         },
     )
     registry = Registry()
@@ -219,7 +236,71 @@ def main() -> None:
             thread.join(60)
             return args.worker_runs / elapsed
 
+        def relays_side(count: int) -> float:
+            common.truncate_outbox(db.url)
+            common.fill_backlog(db.url, args.relays_rows, tenants=240)
+            with psycopg.connect(db.url, autocommit=True) as conn:  # not due until the split is done
+                conn.execute(
+                    "UPDATE outbox_messages SET available_at = clock_timestamp() + interval '1 hour'"
+                )
+            env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_OUTBOX_")}
+            env.update(
+                {
+                    "SQLA_OUTBOX_DATABASE_URL": db.sa_url,
+                    "SQLA_OUTBOX_VALKEY_URL": "none",
+                    "SQLA_OUTBOX_WAKE_MODE": "none",
+                    "SQLA_OUTBOX_QUEUE_PREFIX": base.queue_prefix,
+                    "SQLA_OUTBOX_CATALOG_PATH": base.catalog_path,
+                    "SQLA_OUTBOX_RELAY_PARTITIONS": str(args.partitions),
+                    "SQLA_OUTBOX_RELAY_STANDBY_POLL_SECONDS": "0.2",
+                    "SQLA_OUTBOX_RELAY_HOLD_UNSERVED": "false",
+                    "SQLA_OUTBOX_RELAY_SCHEDULER": "false",
+                }
+            )
+            script = Path(__file__).resolve().parent / "_relay_process.py"
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, str(script), "--latency-ms", str(args.latency_ms), "--name", f"r{n}"],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                )
+                for n in range(count)
+            ]
+            try:
+                share = args.partitions // count
+                deadline = time.monotonic() + 120
+                with psycopg.connect(db.url, autocommit=True) as conn:
+                    while True:  # every relay owns its share of the partitions
+                        owners = conn.execute(
+                            "SELECT pid, count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                            "AND objsubid = 2 AND objid < 1048576 GROUP BY pid"
+                        ).fetchall()
+                        if len(owners) == count and all(n >= share for _, n in owners):
+                            break
+                        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                            raise RuntimeError(f"relays did not split the partitions: {owners}")
+                        time.sleep(0.05)
+                    started = time.perf_counter()
+                    conn.execute(
+                        "UPDATE outbox_messages SET available_at = clock_timestamp() - interval '1 second'"
+                    )
+                    while conn.execute(
+                        "SELECT count(*) FROM outbox_messages WHERE sent_at IS NULL"
+                    ).fetchone()[0]:
+                        if time.monotonic() > deadline + 600:
+                            raise RuntimeError("relays did not drain")
+                        time.sleep(0.02)
+                    elapsed = time.perf_counter() - started
+            finally:
+                for proc in procs:
+                    proc.terminate()
+                for proc in procs:
+                    proc.wait(60)
+            return args.relays_rows / elapsed
+
         sides: dict[str, Any] = {}
+        for count in relay_counts:
+            sides[f"relays x{count}"] = lambda c=count: relays_side(c)
         for batch, conc in grid:
             sides[f"relay b{batch} c{conc}"] = lambda b=batch, c=conc: relay_side(b, c)
         for conc in concurrencies:
@@ -229,7 +310,7 @@ def main() -> None:
     med = {n: common.median(v) for n, v in results.items()}
     rows = []
     for n, v in results.items():
-        rows.append([n, med[n], min(v), max(v), 1000 * common.median(cpu[n])])
+        rows.append([n, med[n], min(v), max(v), 1000 * common.median(cpu[n]) if n in cpu else None])
     report.table(
         f"Throughput with a fake SQS of {args.latency_ms:g} ms per call (median of {args.rounds})",
         ["configuration", "per s (median)", "min", "max", "process CPU ms per row/run"],
@@ -243,7 +324,13 @@ def main() -> None:
     for conc in concurrencies:
         name = f"worker c{conc}"
         report.ratio(f"{name}: process CPU per run, ms (fake SQS)", 1000 * common.median(cpu[name]), None)
-    first_worker = f"worker c{concurrencies[0]}"
+    for count in relay_counts[1:]:
+        name, first = f"relays x{count}", f"relays x{relay_counts[0]}"
+        target = 2.5 if (count, relay_counts[0]) == (3, 1) else None  # the scale-out issue's target
+        report.ratio(
+            f"{name} / {first} (processes, one database)", common.paired_ratio(results, name, first), target
+        )
+    first_worker = f"worker c{concurrencies[0]}" if concurrencies else ""
     for conc in concurrencies[1:]:
         name = f"worker c{conc}"
         report.ratio(f"{name} / {first_worker}", common.paired_ratio(results, name, first_worker), None)

@@ -231,7 +231,17 @@ class OutboxSettings:
         "(a base-10 integer in the environment).",
     )
     relay_standby_poll_seconds: float = _setting(
-        1.0, "How often a standby relay tries to take the advisory lock.", unit="s"
+        1.0,
+        "How often a standby relay tries to take the advisory lock; with `relay_partitions` > 1, "
+        "how often each relay rebalances partitions.",
+        unit="s",
+    )
+    relay_partitions: int = _setting(
+        1,
+        "Partitions of the outbox (docs/scaling.md). 1: one active relay per database, the others "
+        "hot standbys. P > 1: up to P relays are active at once, each owning a share of the "
+        "partitions (a tenant's rows are in one partition); every relay of a database must use "
+        "the same value.",
     )
     relay_scheduler: bool = _setting(True, "Run the recurring-task scheduler inside the active relay.")
     relay_hold_unserved: bool = _setting(
@@ -738,6 +748,7 @@ def _validate(s: OutboxSettings) -> None:
     )
     _check(s.relay_max_send_attempts >= 1, "relay_max_send_attempts", "must be >= 1")
     _check(s.relay_standby_poll_seconds > 0, "relay_standby_poll_seconds", "must be > 0")
+    _check(1 <= s.relay_partitions <= 1024, "relay_partitions", "must be within 1..1024")
     _check(
         60 <= s.sqs_message_retention_seconds <= 1_209_600,
         "sqs_message_retention_seconds",

@@ -48,7 +48,12 @@ RELAY_OLDEST_PENDING_AGE = Gauge(
     "Age of the oldest due, unsent outbox row (0 when none is due): the relay's lag.",
     ["table", "queue"],
 )
-RELAY_LEADER = Gauge("sqla_outbox_relay_leader", "1 while this relay holds the advisory lock and sends.")
+RELAY_LEADER = Gauge(
+    "sqla_outbox_relay_leader", "1 while this relay owns at least one outbox partition and sends."
+)
+RELAY_PARTITIONS_OWNED = Gauge(
+    "sqla_outbox_relay_partitions_owned", "Outbox partitions this relay owns (relay_partitions)."
+)
 RELAY_PASSES = Counter(
     "sqla_outbox_relay_passes",
     "Claim passes (each one database transaction), by what started them: wake or timer "

@@ -126,6 +126,7 @@ def _render_status(report: Any) -> None:
                 format_age(r.lease_expired_seconds_ago) + " ago",
             )
         out.print(shown)
+    _render_relays(out, report)
     _render_workers(out, report)
     _render_flow_control(out, report.flow_control)
     _render_flow(out, report)
@@ -193,6 +194,27 @@ def _render_flow(out: Any, report: Any) -> None:
                 format_age(t.waited_seconds),
             )
         out.print(shown)
+
+
+def _render_relays(out: Any, report: Any) -> None:
+    """The relays that own the outbox (or its partitions) now."""
+    if not report.relays:
+        out.print(styled("Relays: none active (nothing is sent to SQS)", "red"))
+        return
+    title = (
+        f"Relays ({len(report.relays)} active on {report.relay_partitions} partitions)"
+        if report.relay_partitions > 1
+        else "Relay (one active per database; others are standbys)"
+    )
+    shown = table(title, ("pid", "client", "connected since", "partitions"))
+    for r in report.relays:
+        shown.add_row(
+            str(r.pid),
+            text(r.client),
+            when(r.since) if r.since else "-",
+            ",".join(str(p) for p in r.partitions) if report.relay_partitions > 1 else "all",
+        )
+    out.print(shown)
 
 
 def _render_workers(out: Any, report: Any) -> None:

@@ -44,6 +44,7 @@ from sqlalchemy.engine import Connection
 from sqla_outbox import flow, presence
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.ops import resend
+from sqla_outbox.relay import partitions
 from sqla_outbox.sqs.client import error_code
 from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
 from sqla_outbox.worker import gate
@@ -183,6 +184,8 @@ class StatusReport:
             or not asked; ``error`` set when Valkey did not answer).
         pauses: Paused tasks, tenants and queues.
         throttled: Tenants whose due runs wait for their rate limit.
+        relay_partitions: ``relay_partitions`` of these settings.
+        relays: The relays that own the outbox or its partitions now.
     """
 
     database_time: dt.datetime
@@ -202,6 +205,8 @@ class StatusReport:
     flow_control: gate.FlowControlState | None = None
     pauses: list[flow.Pause] = dataclasses.field(default_factory=list)
     throttled: list[flow.ThrottledTenant] = dataclasses.field(default_factory=list)
+    relay_partitions: int = 1
+    relays: list[partitions.ActiveRelay] = dataclasses.field(default_factory=list)
 
 
 def pending_rows(connection: Connection) -> list[PendingRows]:
@@ -335,4 +340,6 @@ def collect(
         flow_control=gate.snapshot(settings) if with_valkey else None,
         pauses=flow.list_pauses(connection),
         throttled=flow.throttled_tenants(connection, settings.tenant_rate_limit_per_minute),
+        relay_partitions=settings.relay_partitions,
+        relays=partitions.active_relays(connection, settings),
     )

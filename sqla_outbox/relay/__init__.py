@@ -1,11 +1,15 @@
 """The relay: moves committed outbox rows to SQS. ``python -m sqla_outbox.relay``.
 
-One relay is active per database. Relays elect the active one with a PostgreSQL
-session-level advisory lock (``pg_try_advisory_lock(relay_lock_id)``) held on the
-connection that also runs every claim transaction; any other relay is a hot standby that
-retries the lock every ``relay_standby_poll_seconds`` and takes over as soon as the
-active relay's connection ends (PostgreSQL releases session locks when a session ends, so
-a ``kill -9`` hands over within about a second). Two relays never send at the same time.
+With ``relay_partitions = 1`` (the default) one relay is active per database. Relays
+elect the active one with a PostgreSQL session-level advisory lock
+(``pg_try_advisory_lock(relay_lock_id)``) held on the connection that also runs every
+claim transaction; any other relay is a hot standby that retries the lock every
+``relay_standby_poll_seconds`` and takes over as soon as the active relay's connection
+ends (PostgreSQL releases session locks when a session ends, so a ``kill -9`` hands over
+within about a second). With ``relay_partitions > 1`` up to that many relays are active at
+once, each claiming the rows of the outbox partitions it owns
+(:mod:`sqla_outbox.relay.partitions`); a relay that takes a Valkey wake passes it on to the
+others with a ``NOTIFY``, since only one BLPOP receives each push.
 
 A pass: in one transaction on that connection, claim due rows (``FOR UPDATE SKIP
 LOCKED``): with ``relay_fairness`` (the default) up to ``relay_batch_size`` per queue,
@@ -35,7 +39,8 @@ Between passes the relay waits for whichever comes first:
   SQS, or their tenant is at its rate limit), the time the depth is re-read
   (``relay_depth_poll_seconds``) or the tenant's window reopens;
 * the next slot of a scheduled task (:mod:`sqla_outbox.relay.schedule`), which the active
-  relay dispatches itself.
+  relay (the owner of partition 0) dispatches itself;
+* with several partitions, the next rebalance (every ``relay_standby_poll_seconds``).
 
 Stopping (:meth:`Relay.stop`, SIGTERM/SIGINT in the CLI) lets the pass in progress finish
 and commit, releases the lock and returns. Losing the database ends leadership; the relay
@@ -46,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 import threading
@@ -66,7 +72,8 @@ from sqla_outbox.relay.claim import ClaimedRow
 from sqla_outbox.relay.depth import DepthGauge, auto_depth
 from sqla_outbox.relay.fair import FairClaimer
 from sqla_outbox.relay.hold import Holder
-from sqla_outbox.relay.listen import NotifyListener
+from sqla_outbox.relay.listen import NotifyListener, forward_wake
+from sqla_outbox.relay.partitions import Ownership
 from sqla_outbox.relay.pauses import split as split_paused
 from sqla_outbox.relay.ratelimit import RateWindows
 from sqla_outbox.relay.schedule import Scheduler
@@ -96,9 +103,9 @@ class PassResult:
         throttled: Tenants with due rows left in the outbox by their rate limit.
         depth_bound: Queues whose due rows waited because SQS held ``relay_queue_depth``.
         full: Some table returned a full batch (more may be waiting).
-        leader: This relay held the leadership lock for the pass. False only from
-            :meth:`Relay.run_once` when another relay is active: nothing was done (that
-            relay sends the rows).
+        leader: This relay owned the outbox (or some of its partitions) for the pass. False
+            only from :meth:`Relay.run_once` when other relays own every partition: nothing
+            was done (they send the rows).
     """
 
     claimed: int = 0
@@ -238,6 +245,10 @@ class Relay:
         self.pauses = flow.PauseCache(settings.flow_refresh_seconds)
         self._shown_throttled: set[int] = set()
         self._workers_seen = 0
+        self.ownership = Ownership(settings, self.name)
+        self._rebalance_at = 0.0
+        self._valkey_woken = False
+        """The wake being served came through Valkey (pass it on to the other relays)."""
 
     # --- public control ------------------------------------------------------------------
     @property
@@ -311,11 +322,14 @@ class Relay:
             while not self._stop.is_set():
                 try:
                     with self.engine.connect() as connection:
-                        if self._try_lock(connection):
+                        # with partitions a relay stays a member while it owns none, so the
+                        # others see it and give it a share
+                        if self.ownership.join(connection) or self.ownership.count > 1:
                             self._lead(connection)
                         else:
                             self._stop.wait(self.settings.relay_standby_poll_seconds)
                 except sa.exc.DBAPIError as exc:
+                    self.ownership.lost()
                     self._set_leader(False)
                     # the backoff grows until a pass succeeds (not merely until the lock is
                     # taken again), so a statement that fails every time is not retried twice
@@ -345,52 +359,40 @@ class Relay:
             logger.info("relay stopped", extra=log_extra(action="relay.stopped", relay=self.name))
 
     def run_once(self) -> PassResult:
-        """One pass if this relay can take the lock (for ``--once`` and scripts).
+        """One pass over what this relay can take (for ``--once`` and scripts): the lock of
+        the outbox, or with several partitions every partition no running relay owns.
 
         Returns:
-            The pass's counts; ``PassResult(leader=False)`` (all counts 0) when another
-            relay holds the lock and nothing was done.
+            The pass's counts; ``PassResult(leader=False)`` (all counts 0) when other
+            relays own everything and nothing was done.
         """
         with self.engine.connect() as connection:
-            if not self._try_lock(connection):
+            if not self.ownership.take_all_free(connection):
                 return PassResult(leader=False)
             try:
                 return self.pass_once(connection)
             finally:
-                self._unlock(connection)
+                self.ownership.release(connection)
 
     # --- leadership ----------------------------------------------------------------------
-    def _try_lock(self, connection: Connection) -> bool:
-        got = bool(
-            connection.execute(
-                sa.text("SELECT pg_try_advisory_lock(:key)"), {"key": self.settings.relay_lock_id}
-            ).scalar()
-        )
-        connection.commit()
-        return got
-
-    def _unlock(self, connection: Connection) -> None:
-        try:
-            connection.execute(
-                sa.text("SELECT pg_advisory_unlock(:key)"), {"key": self.settings.relay_lock_id}
-            )
-            connection.commit()
-        except sa.exc.DBAPIError:  # the session is gone; so is the lock
-            pass
-
     def _set_leader(self, leader: bool) -> None:
         if leader != self.is_leader:
             self.is_leader = leader
             metrics.RELAY_LEADER.set(1 if leader else 0)
 
     def _lead(self, connection: Connection) -> None:
-        self._set_leader(True)
-        self.counters.leader_terms += 1
-        logger.info("relay is the active relay", extra=log_extra(action="relay.leader", relay=self.name))
-        listener = WakeListener(self.settings, self._wake.set)
+        self._become_active()
+        partitioned = self.ownership.count > 1
+        listener = WakeListener(self.settings, self._wake_from_valkey if partitioned else self._wake.set)
         listener.start()
-        notify_listener = NotifyListener(self.settings, self._wake.set)
+        notify_listener = NotifyListener(
+            self.settings,
+            self._wake.set,
+            enabled=True if partitioned else None,
+            own_payload=f"relay:{self.name}",
+        )
         notify_listener.start()
+        self._rebalance_at = time.monotonic() + self.settings.relay_standby_poll_seconds
         try:
             self._again = True  # first pass at once
             result = PassResult()
@@ -398,6 +400,15 @@ class Relay:
                 woken = self._wait_for_work(connection, last_claimed=result.claimed)
                 if self._stop.is_set():
                     break
+                if partitioned:
+                    self._rebalance(connection)
+                    if not self.ownership.owned:
+                        self._valkey_woken = False
+                        continue
+                    if self._valkey_woken:
+                        self._valkey_woken = False
+                        if self.ownership.relays > 1:
+                            forward_wake(connection, f"relay:{self.name}")
                 result = self.pass_once(connection)
                 metrics.RELAY_PASSES.labels(
                     "wake" if woken else "timer", "yes" if result.claimed else "no"
@@ -409,7 +420,7 @@ class Relay:
                     self._backoff = min(self._backoff * 2, 10.0)
                 else:
                     self._backoff = 0.5
-                if self.scheduler is not None and self._slot_due():
+                if self.scheduler is not None and self.ownership.runs_singletons and self._slot_due():
                     if self.scheduler.tick(connection):
                         self._again = True
                     self._plan_next_slot(connection)
@@ -419,8 +430,43 @@ class Relay:
             listener.stop()
             notify_listener.stop()
             self.rates.forget()  # the next active relay seeds the windows from sent_at
-            self._unlock(connection)
+            self.ownership.release(connection)
             self._set_leader(False)
+
+    def _become_active(self) -> None:
+        if self.ownership.owned and not self.is_leader:
+            self.counters.leader_terms += 1
+            logger.info(
+                "relay is active",
+                extra=log_extra(
+                    action="relay.leader",
+                    relay=self.name,
+                    partitions=len(self.ownership.owned),
+                    of=self.ownership.count,
+                ),
+            )
+        self._set_leader(bool(self.ownership.owned))
+
+    def _wake_from_valkey(self) -> None:
+        self._valkey_woken = True
+        self._wake.set()
+
+    def _rebalance(self, connection: Connection) -> None:
+        """With several partitions: every ``relay_standby_poll_seconds``, move toward an even
+        split with the other relays; state kept per tenant (rate windows, the fair cursor)
+        is dropped when partitions change hands, and re-read from the database."""
+        now = time.monotonic()
+        if now < self._rebalance_at:
+            return
+        self._rebalance_at = now + self.settings.relay_standby_poll_seconds
+        if self.ownership.rebalance(connection):
+            self.rates.forget()
+            if self.settings.relay_fairness:
+                self.fair = FairClaimer()
+            if self.holder is not None:
+                self.holder.reread_soon()
+            self._again = True
+        self._become_active()
 
     def _wait_for_work(self, connection: Connection, *, last_claimed: int) -> bool:
         """Wait for the next reason to pass; True when it is a wake (the listener or
@@ -432,7 +478,11 @@ class Relay:
             return False
         if not self._wake.is_set():
             timeout = self.settings.relay_sweep_interval_seconds
-            due = claim.seconds_until_next_due(connection)
+            due = (
+                claim.seconds_until_next_due(connection, self.ownership.params())
+                if self.ownership.owned
+                else None
+            )
             connection.commit()
             if due is not None:
                 if due > 0:
@@ -446,8 +496,10 @@ class Relay:
                     # due but the last pass could claim nothing: locked by another
                     # transaction; look again shortly rather than spin
                     timeout = min(timeout, 0.02)
-            if self._next_slot_at is not None:
+            if self._next_slot_at is not None and self.ownership.runs_singletons:
                 timeout = min(timeout, max(self._next_slot_at - time.monotonic(), 0.0))
+            if self.ownership.count > 1:
+                timeout = min(timeout, max(self._rebalance_at - time.monotonic(), 0.0))
             if not self._wake.wait(timeout):
                 return False
         hold = self._wakes_held_until - time.monotonic()
@@ -472,15 +524,16 @@ class Relay:
         result = PassResult()
         limit = self.settings.relay_batch_size
         with connection.begin():
+            partitions = self.ownership.params()
             if self.holder is not None:
-                self.holder.refresh(connection)  # first: rows it releases are claimed below
+                self.holder.refresh(connection, partitions)  # first: rows it releases are claimed below
             rows: list[ClaimedRow] = []
             if self.fair is not None:
                 rows = self._fair_claim(connection, result)
             else:
                 self._retry_in = None
                 for table in claim.TABLES:
-                    claimed = claim.claim(connection, table, limit=limit)
+                    claimed = claim.claim(connection, table, limit=limit, partitions=partitions)
                     result.full = result.full or len(claimed) == limit
                     rows.extend(claimed)
             if rows:
@@ -540,7 +593,8 @@ class Relay:
         weights = {t: f.weight for t, f in settings.items() if f.weight != 1}
         allowance = _Allowance(self, connection)
         batch = self.settings.relay_batch_size
-        due = self.fair.discover(connection, most=batch * len(QUEUE_NAMES))
+        partitions = self.ownership.params()
+        due = self.fair.discover(connection, most=batch * len(QUEUE_NAMES), partitions=partitions)
         # the gauge needs the SQS client: build it only once rows are due (a relay with
         # nothing to send never reaches SQS, as before fairness)
         depth = self.depth if due else None
@@ -561,13 +615,20 @@ class Relay:
         for queue, found in due.items():
             budget = batch
             if depth is not None and bound:
-                budget = min(batch, depth.room(queue, bound))
+                # with several relays each takes its partitions' share of the queue's room
+                budget = min(batch, math.ceil(depth.room(queue, bound) * self.ownership.share))
                 if budget <= 0:
                     result.depth_bound.append(queue)
                     retry.append(depth.poll_seconds)
                     continue
             got = self.fair.claim_queue(
-                connection, queue, found, budget=budget, weights=weights, allowance=allowance
+                connection,
+                queue,
+                found,
+                budget=budget,
+                weights=weights,
+                allowance=allowance,
+                partitions=partitions,
             )
             allowance.spend(got.rows)
             rows.extend(got.rows)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import BigInteger, Float, Text, bindparam, text
@@ -20,6 +20,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 
 from sqla_outbox import backoff
+from sqla_outbox.relay.partitions import ALL, PLATFORM_FILTER, TENANT_FILTER, filter_for
 
 TABLES = ("outbox_messages", "platform_outbox_messages")
 
@@ -54,6 +55,7 @@ def _claim_sql(table: str) -> Any:
 SELECT id, run_id, queue, {tenant}, envelope, attempts, available_at, priority
 FROM {table}
 WHERE sent_at IS NULL AND parked_at IS NULL AND available_at <= clock_timestamp()
+  AND {filter_for(table)}
 ORDER BY available_at, id
 LIMIT :limit
 FOR UPDATE SKIP LOCKED
@@ -128,12 +130,14 @@ SELECT run_id FROM parked
     for table in TABLES
 }
 _NEXT_DUE = text(
-    """
+    f"""
 SELECT EXTRACT(EPOCH FROM (min(available_at) - clock_timestamp()))::float8 FROM (
     (SELECT available_at FROM outbox_messages WHERE sent_at IS NULL AND parked_at IS NULL
+       AND {TENANT_FILTER}
      ORDER BY available_at LIMIT 1)
     UNION ALL
     (SELECT available_at FROM platform_outbox_messages WHERE sent_at IS NULL AND parked_at IS NULL
+       AND {PLATFORM_FILTER}
      ORDER BY available_at LIMIT 1)
 ) AS pending
 """
@@ -153,19 +157,25 @@ FROM platform_outbox_messages WHERE sent_at IS NULL AND parked_at IS NULL GROUP 
 )
 
 
-def claim(connection: Connection, table: str, *, limit: int) -> list[ClaimedRow]:
+def claim(
+    connection: Connection, table: str, *, limit: int, partitions: Mapping[str, Any] = ALL
+) -> list[ClaimedRow]:
     """Lock up to ``limit`` due, unsent rows of ``table``, oldest ``available_at`` first.
 
     Args:
         connection: The relay's connection, inside the pass's transaction.
         table: One of :data:`TABLES`.
         limit: Most rows to claim (``relay_batch_size``).
+        partitions: The owned partitions (:meth:`~sqla_outbox.relay.partitions.Ownership.params`);
+            default every row.
 
     Returns:
         The claimed rows, in ``available_at, id`` order; rows locked by another
         transaction are skipped, never waited for.
     """
-    rows = connection.execute(_CLAIM[table], {"limit": limit}).all()  # one fetchall, not fetchone per row
+    rows = connection.execute(
+        _CLAIM[table], {"limit": limit, **partitions}
+    ).all()  # one fetchall, not fetchone per row
     return [
         ClaimedRow(
             table=table,
@@ -256,10 +266,10 @@ def park(
     return {row[0] for row in rows}
 
 
-def seconds_until_next_due(connection: Connection) -> float | None:
-    """Seconds (database clock) until the earliest unsent row is due; <= 0 if one is due
-    now; None when nothing is pending."""
-    value = connection.execute(_NEXT_DUE).scalar()
+def seconds_until_next_due(connection: Connection, partitions: Mapping[str, Any] = ALL) -> float | None:
+    """Seconds (database clock) until the earliest unsent row of the owned ``partitions``
+    (default: any) is due; <= 0 if one is due now; None when nothing is pending."""
+    value = connection.execute(_NEXT_DUE, dict(partitions)).scalar()
     return None if value is None else float(value)
 
 

@@ -39,6 +39,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 
 from sqla_outbox.relay.claim import ClaimedRow
+from sqla_outbox.relay.partitions import ALL, PLATFORM_FILTER, TENANT_FILTER
 
 _PENDING_DUE = "sent_at IS NULL AND parked_at IS NULL AND available_at <= clock_timestamp()"
 
@@ -66,14 +67,15 @@ p(queue) AS (
             ORDER BY o.queue LIMIT 1)
     FROM p WHERE p.queue IS NOT NULL
 )
-SELECT queue, tenant_id FROM t
+SELECT queue, tenant_id, n, {TENANT_FILTER} AS mine FROM t WHERE {TENANT_FILTER} OR n = :most
 UNION ALL
-SELECT queue, NULL FROM p WHERE queue IS NOT NULL
+SELECT queue, NULL, NULL, true FROM p WHERE queue IS NOT NULL
 """
 ).bindparams(bindparam("after_tenant", type_=BigInteger))
 """The (queue, tenant) pairs with due rows, in index order from a cursor, up to ``most``
 (a skip scan of ``outbox_messages_fair_idx``: one index probe per pair, never a scan of a
-tenant's backlog); then the queues with due platform rows (``tenant_id`` NULL)."""
+tenant's backlog), of which those in the owned partitions are returned; then the queues
+with due platform rows (``tenant_id`` NULL; any partition: the claim filters them)."""
 
 _COLUMNS = "c.id, c.run_id, c.queue, c.tenant_id, c.envelope, c.attempts, c.available_at, c.priority"
 _TENANT_ROWS = text(
@@ -100,6 +102,7 @@ _PLATFORM_ROWS = text(
 SELECT id, run_id, queue, NULL::bigint AS tenant_id, envelope, attempts, available_at, priority
 FROM platform_outbox_messages
 WHERE queue = :queue AND {_PENDING_DUE} AND id <> ALL(CAST(:taken AS bigint[]))
+  AND {PLATFORM_FILTER}
 ORDER BY priority, available_at, id
 LIMIT :limit
 FOR UPDATE SKIP LOCKED
@@ -186,31 +189,48 @@ class FairClaimer:
     def __init__(self) -> None:
         self._cursor: tuple[str, int] = _START
         self._walk: list[tuple[str, int]] = []
-        self._truncated = False
+        self._cut_at: tuple[str, int] | None = None
 
-    def discover(self, connection: Connection, *, most: int) -> dict[str, Due]:
+    def discover(
+        self, connection: Connection, *, most: int, partitions: Mapping[str, Any] = ALL
+    ) -> dict[str, Due]:
         """The queues with due rows and their tenants, from the cursor (wrapping around),
-        at most ``most`` (queue, tenant) pairs. One statement (two when it wraps)."""
+        at most about ``most`` (queue, tenant) pairs of the owned ``partitions`` (the walk
+        visits ``most / owned share`` pairs of any partition and keeps the owned ones). One
+        statement (two when it wraps)."""
+        count = int(partitions["partition_count"])
+        walk = most if count == 1 else math.ceil(most * count / max(1, len(partitions["partitions"])))
         after_queue, after_tenant = self._cursor
         rows = connection.execute(
-            _DISCOVER, {"after_queue": after_queue, "after_tenant": after_tenant, "most": most}
+            _DISCOVER,
+            {"after_queue": after_queue, "after_tenant": after_tenant, "most": walk, **partitions},
         ).all()
-        pairs = [(r.queue, int(r.tenant_id)) for r in rows if r.tenant_id is not None]
+        # the walk's last pair comes back even when another relay owns it: it says the walk
+        # was cut there (more pairs follow) and where the cursor goes next
+        last = [(r.queue, int(r.tenant_id)) for r in rows if r.n == walk]
+        pairs = [(r.queue, int(r.tenant_id)) for r in rows if r.tenant_id is not None and r.mine]
         platform = {r.queue for r in rows if r.tenant_id is None}
-        if len(pairs) < most and self._cursor != _START:  # wrap around to the pairs before the cursor
+        if not last and self._cursor != _START:  # wrap around to the pairs before the cursor
+            walked = max((int(r.n) for r in rows if r.n is not None), default=0)
             again = connection.execute(
-                _DISCOVER, {"after_queue": "", "after_tenant": _MIN_TENANT_ID, "most": most - len(pairs)}
+                _DISCOVER,
+                {
+                    "after_queue": "",
+                    "after_tenant": _MIN_TENANT_ID,
+                    "most": max(1, walk - walked),
+                    **partitions,
+                },
             ).all()
             seen = set(pairs)
-            pairs += [
-                (r.queue, int(r.tenant_id))
+            before = [
+                (r.queue, int(r.tenant_id), bool(r.mine), r.n)
                 for r in again
-                if r.tenant_id is not None
-                and (r.queue, int(r.tenant_id)) not in seen
-                and (r.queue, int(r.tenant_id)) <= self._cursor
+                if r.tenant_id is not None and (r.queue, int(r.tenant_id)) <= self._cursor
             ]
+            pairs += [(q, t) for q, t, mine, _ in before if mine and (q, t) not in seen]
+            last = [(q, t) for q, t, _, n in before if n == max(1, walk - walked)]
         self._walk = pairs
-        self._truncated = len(pairs) >= most
+        self._cut_at = last[0] if last else None
         found: dict[str, Due] = {}
         for queue, tenant in pairs:
             found.setdefault(queue, Due([], queue in platform)).tenants.append(tenant)
@@ -226,7 +246,7 @@ class FairClaimer:
             if pair not in served:
                 self._cursor = self._walk[i - 1] if i else self._cursor
                 return
-        self._cursor = self._walk[-1] if self._truncated and self._walk else _START
+        self._cursor = self._cut_at if self._cut_at is not None else _START
 
     def claim_queue(
         self,
@@ -237,6 +257,7 @@ class FairClaimer:
         budget: int,
         weights: Mapping[int, int],
         allowance: Allowance,
+        partitions: Mapping[str, Any] = ALL,
     ) -> QueueClaim:
         """Claim up to ``budget`` due rows of ``queue`` from both outbox tables.
 
@@ -248,6 +269,8 @@ class FairClaimer:
             weights: Tenant weights (absent: 1).
             allowance: Rows each rate-limited tenant may still be sent now (absent:
                 unlimited).
+            partitions: The owned partitions (platform rows of others are left alone;
+                ``due`` holds only owned tenants already).
 
         Returns:
             A :class:`QueueClaim`.
@@ -260,7 +283,9 @@ class FairClaimer:
         result.throttled = [t for t in tenants if (allowance.get(t, 1) or 0) <= 0]
         servable = [t for t in tenants if (allowance.get(t, 1) or 0) > 0]
         platform_share = math.ceil(budget / (len(servable) + 1))
-        platform = self._platform(connection, queue, limit=platform_share if due.platform else 0, taken=[])
+        platform = self._platform(
+            connection, queue, limit=platform_share if due.platform else 0, taken=[], partitions=partitions
+        )
         left = budget - len(platform)
         by_tenant: dict[int, list[ClaimedRow]] = {}
         if servable and left > 0:
@@ -292,7 +317,9 @@ class FairClaimer:
         ]
         result.served = set(by_tenant) | set(result.throttled)
         if left > 0 and due.platform and len(platform) == platform_share:
-            platform += self._platform(connection, queue, limit=left, taken=[r.id for r in platform])
+            platform += self._platform(
+                connection, queue, limit=left, taken=[r.id for r in platform], partitions=partitions
+            )
         groups = [platform, *by_tenant.values()]
         result.rows = interleave(groups)
         return result
@@ -316,10 +343,14 @@ class FairClaimer:
         return [_row("outbox_messages", r) for r in rows]
 
     @staticmethod
-    def _platform(connection: Connection, queue: str, *, limit: int, taken: list[int]) -> list[ClaimedRow]:
+    def _platform(
+        connection: Connection, queue: str, *, limit: int, taken: list[int], partitions: Mapping[str, Any]
+    ) -> list[ClaimedRow]:
         if limit <= 0:
             return []
-        rows = connection.execute(_PLATFORM_ROWS, {"queue": queue, "limit": limit, "taken": taken}).all()
+        rows = connection.execute(
+            _PLATFORM_ROWS, {"queue": queue, "limit": limit, "taken": taken, **partitions}
+        ).all()
         return [_row("platform_outbox_messages", r) for r in rows]
 
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from sqlalchemy import BigInteger, Float, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -29,6 +30,7 @@ from sqlalchemy.engine import Connection
 from sqla_outbox import metrics, presence
 from sqla_outbox.logging import log_extra
 from sqla_outbox.relay.claim import TABLES, ClaimedRow
+from sqla_outbox.relay.partitions import ALL, filter_for
 
 logger = logging.getLogger("sqla_outbox.relay")
 
@@ -63,6 +65,7 @@ WHERE r.run_id = o.run_id AND o.sent_at IS NULL AND o.available_at > clock_times
   AND r.available_at <= clock_timestamp()
   AND (o.envelope->>'task', o.queue) IN (
       SELECT * FROM unnest(CAST(:tasks AS text[]), CAST(:queues AS text[])))
+  AND {filter_for(table, "o")}
 """
     ).bindparams(bindparam("tasks", type_=ARRAY(Text)), bindparam("queues", type_=ARRAY(Text)))
     for table in TABLES
@@ -77,10 +80,10 @@ class Holder:
         self._refreshed_at = float("-inf")
         self.held_total = 0
 
-    def refresh(self, connection: Connection) -> int:
+    def refresh(self, connection: Connection, partitions: Mapping[str, Any] = ALL) -> int:
         """Re-read the live workers (at most every :data:`COVERAGE_REFRESH_SECONDS`);
-        release the held rows of pairs that became served. Returns rows released.
-        Runs in the caller's transaction."""
+        release the held rows (of the owned ``partitions``) of pairs that became served.
+        Returns rows released. Runs in the caller's transaction."""
         now = time.monotonic()
         if now - self._refreshed_at < COVERAGE_REFRESH_SECONDS:
             return 0
@@ -101,7 +104,7 @@ class Holder:
         new = sorted(self.coverage.pairs - before.pairs)
         if not new:
             return 0
-        params = {"tasks": [t for t, _ in new], "queues": [q for _, q in new]}
+        params = {"tasks": [t for t, _ in new], "queues": [q for _, q in new], **partitions}
         released = sum(int(connection.execute(_RELEASE[table], params).rowcount or 0) for table in TABLES)
         if released:
             logger.info(

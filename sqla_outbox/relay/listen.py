@@ -40,6 +40,8 @@ from collections.abc import Callable
 
 import psycopg
 from psycopg import sql
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
 
 from sqla_outbox.config import OutboxSettings, redact_url
 from sqla_outbox.logging import log_extra
@@ -58,6 +60,10 @@ class NotifyListener:
             (re)connect; must be cheap and thread-safe, e.g. ``threading.Event.set``.
         probe_seconds: How long the self-addressed probe may take to come back before the
             connection is judged unable to hold a ``LISTEN`` (a transaction-mode pooler).
+        enabled: Listen even when ``wake_notify`` is off (a relay among several active
+            ones hears the wakes the others forward; :mod:`sqla_outbox.relay.partitions`).
+        own_payload: Notifications carrying exactly this payload are ignored (the wakes
+            this relay forwarded itself).
 
     Attributes:
         wakes: Notifications received (probes excluded).
@@ -66,9 +72,16 @@ class NotifyListener:
     """
 
     def __init__(
-        self, settings: OutboxSettings, on_wake: Callable[[], None], *, probe_seconds: float = 5.0
+        self,
+        settings: OutboxSettings,
+        on_wake: Callable[[], None],
+        *,
+        probe_seconds: float = 5.0,
+        enabled: bool | None = None,
+        own_payload: str | None = None,
     ) -> None:
-        self.enabled = settings.wake_notify
+        self.enabled = settings.wake_notify if enabled is None else enabled
+        self.own_payload = own_payload
         self.url = settings.listen_url
         self.on_wake = on_wake
         self.probe_seconds = probe_seconds
@@ -151,6 +164,8 @@ class NotifyListener:
                     probe_pending = False
                     self._verdict(True)
                     continue
+                if self.own_payload is not None and notify.payload == self.own_payload:
+                    continue
                 self.wakes += 1
                 self.on_wake()
             if probe_pending and time.monotonic() > probe_deadline:
@@ -193,6 +208,16 @@ def probe(settings: OutboxSettings, *, timeout_seconds: float = 3.0) -> bool:
                 if notify.payload == token:
                     return True
         return False
+
+
+def forward_wake(connection: Connection, payload: str) -> None:
+    """``NOTIFY`` the wake channel from ``connection`` (the relay's, between transactions):
+    how a relay that took a Valkey wake (which only one BLPOP receives) passes it on to
+    the other active relays. Commits."""
+    connection.execute(
+        text("SELECT pg_notify(:channel, :payload)"), {"channel": WAKE_CHANNEL, "payload": payload}
+    )
+    connection.commit()
 
 
 def _send_probe(url: str, timeout_seconds: float = 5.0) -> str:

@@ -197,9 +197,19 @@ class ChaosReport:
 
 
 def run(
-    duration: float, *, rate: float = 15.0, seed: int = 11, visibility: int = 4, verbose: bool = True
+    duration: float,
+    *,
+    rate: float = 15.0,
+    seed: int = 11,
+    visibility: int = 4,
+    verbose: bool = True,
+    relays: int = 2,
+    relay_partitions: int = 1,
 ) -> ChaosReport:
-    """Run the chaos scenario for ``duration`` seconds of faults; return the report."""
+    """Run the chaos scenario for ``duration`` seconds of faults; return the report.
+
+    ``relays`` relay processes run (``relay_partitions`` > 1: all of them active, sharing
+    the outbox's partitions, which move whenever one is killed or restarted)."""
     rng = random.Random(seed)
     say = print if verbose else (lambda *a, **k: None)
     pg = PostgresInstance()
@@ -230,6 +240,7 @@ def run(
                 "SQLA_OUTBOX_WORKER_WAIT_SECONDS": "1",
                 "SQLA_OUTBOX_WORKER_CONCURRENCY": "6",
                 "SQLA_OUTBOX_WORKER_STOP_BUDGET_SECONDS": "3",
+                "SQLA_OUTBOX_RELAY_PARTITIONS": str(relay_partitions),
             }
             if name.startswith("relay"):
                 processes[name] = support.start_relay(env_settings, proxy.endpoint, name=name, **extra)
@@ -238,7 +249,8 @@ def run(
                     env_settings, proxy.endpoint, name=name, imports="tests.chaos.tasks", **extra
                 )
 
-        for name in ("relay-a", "relay-b", "worker-1", "worker-2", "worker-3"):
+        relay_names = [f"relay-{chr(ord('a') + n)}" for n in range(relays)]
+        for name in (*relay_names, "worker-1", "worker-2", "worker-3"):
             spawn(name)
         driver_env = support.service_env(env_settings, proxy.endpoint)
         driver = subprocess.Popen(
@@ -294,9 +306,12 @@ def run(
                 faults["postgres_restarts"] += 1
                 pg_restarted = True
                 continue
-            fault = rng.choice(["kill_relay", "kill_worker", "kill_worker", "valkey", "sqs", "none"])
+            kinds = ["kill_relay", "kill_worker", "kill_worker", "valkey", "sqs", "none"]
+            if relay_partitions > 1:  # partitions move at every relay kill and restart: kill more
+                kinds += ["kill_relay", "kill_relay"]
+            fault = rng.choice(kinds)
             if fault == "kill_relay":
-                name = rng.choice(["relay-a", "relay-b"])
+                name = rng.choice(relay_names)
                 processes[name].kill()
                 retired.append(processes[name])
                 pause(rng.uniform(0, 1.5))
@@ -634,8 +649,21 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=15, help="application transactions per second")
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--json", dest="json_path", help="also write the report here")
+    parser.add_argument("--relays", type=int, default=2, help="relay processes (default 2)")
+    parser.add_argument(
+        "--relay-partitions",
+        type=int,
+        default=1,
+        help="relay_partitions (default 1: one active relay; > 1: every relay active on a share)",
+    )
     args = parser.parse_args()
-    report = run(args.duration, rate=args.rate, seed=args.seed)
+    report = run(
+        args.duration,
+        rate=args.rate,
+        seed=args.seed,
+        relays=args.relays,
+        relay_partitions=args.relay_partitions,
+    )
     print_report(report)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({**dataclasses.asdict(report), "ok": report.ok}, indent=2))

@@ -158,8 +158,11 @@ def test_status_prints_tables_and_a_json_document(
         "flow_control",
         "pauses",
         "throttled",
+        "relay_partitions",
+        "relays",
     }
     assert document["pauses"] == [] and document["throttled"] == []
+    assert document["relays"] == [] and document["relay_partitions"] == 1  # no relay is running
     assert {(p["table"], p["queue"], p["pending"], p["due"]) for p in document["pending"]} == {
         ("platform_outbox_messages", "default", 1, 1),
         ("outbox_messages", "critical", 1, 1),

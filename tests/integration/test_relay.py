@@ -115,10 +115,10 @@ def test_endpoint_down_counts_attempts_for_every_row(
 def test_only_one_relay_holds_the_lock(relay: Relay, settings: OutboxSettings, engine: sa.Engine) -> None:
     other = Relay(relay.settings, engine=engine)
     with engine.connect() as holder:
-        assert relay._try_lock(holder)
+        assert relay.ownership.join(holder)
         with engine.connect() as contender:
-            assert not other._try_lock(contender)
-        relay._unlock(holder)
+            assert not other.ownership.join(contender)
+        relay.ownership.release(holder)
         with engine.connect() as contender:
-            assert other._try_lock(contender)
-            other._unlock(contender)
+            assert other.ownership.join(contender)
+            other.ownership.release(contender)

@@ -1,0 +1,228 @@
+"""Several active relays (``relay_partitions`` > 1), in process, on real PostgreSQL, Valkey and moto."""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
+
+from sqla_outbox import Dispatch, flow
+from sqla_outbox.config import OutboxSettings
+from sqla_outbox.relay import Relay
+from sqla_outbox.relay.partitions import Ownership, active_relays, read_layout
+from tests.support import outbox_rows, receive_all, wait_for
+
+PARTITIONS = 8
+
+
+@pytest.fixture
+def partitioned(settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]) -> OutboxSettings:
+    return settings.replace(
+        sqs_endpoint_url=sqs_endpoint,
+        relay_partitions=PARTITIONS,
+        relay_standby_poll_seconds=0.2,
+        relay_sweep_interval_seconds=30.0,  # a row sent within seconds was woken, not swept
+    )
+
+
+@pytest.fixture
+def sessions(database_url: str) -> Iterator[Any]:
+    """Connections with a server session each (closing one ends its session and its locks)."""
+    engine = sa.create_engine(
+        database_url.replace("postgresql://", "postgresql+psycopg://", 1), poolclass=NullPool
+    )
+    opened: list[sa.Connection] = []
+
+    def connect() -> sa.Connection:
+        connection = engine.connect()
+        opened.append(connection)
+        return connection
+
+    yield connect
+    for connection in opened:
+        connection.close()
+    engine.dispose()
+
+
+def partition_of(engine: sa.Engine, tenant: int) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text("SELECT abs(hashint8(CAST(:t AS bigint))::bigint) % :n"),
+                {"t": tenant, "n": PARTITIONS},
+            ).scalar_one()
+        )
+
+
+def settle(members: list[tuple[Ownership, sa.Connection]], rounds: int = 10) -> None:
+    for _ in range(rounds):
+        if not any([bool(o.rebalance(c)) for o, c in members]):
+            return
+
+
+def test_relays_split_the_partitions_and_rebalance_when_one_joins_or_dies(
+    partitioned: OutboxSettings, sessions: Any
+) -> None:
+    a = (Ownership(partitioned, "a"), sessions())
+    assert a[0].join(a[1]) and a[0].owned == set(range(PARTITIONS))  # alone: everything
+    b = (Ownership(partitioned, "b"), sessions())
+    b[0].join(b[1])
+    settle([a, b])
+    assert sorted(len(o.owned) for o, _ in (a, b)) == [4, 4]
+    c = (Ownership(partitioned, "c"), sessions())
+    c[0].join(c[1])
+    members = [a, b, c]
+    settle(members)
+    assert sorted(len(o.owned) for o, _ in members) == [2, 3, 3]
+    owned = [p for o, _ in members for p in o.owned]
+    assert sorted(owned) == list(range(PARTITIONS))  # each partition owned exactly once
+    assert [o.runs_singletons for o, _ in members].count(True) == 1
+    layout = read_layout(a[1], partitioned)
+    assert len(layout.members) == 3 and sorted(layout.owners) == list(range(PARTITIONS))
+    shown = active_relays(a[1], partitioned)  # what `status` prints
+    assert sorted(sorted(r.partitions) for r in shown) == sorted(sorted(o.owned) for o, _ in members)
+    c[1].close()  # the session ends: PostgreSQL frees c's locks, as after kill -9
+    settle([a, b])
+    assert sorted(len(o.owned) for o, _ in (a, b)) == [4, 4]
+    assert sorted(p for o, _ in (a, b) for p in o.owned) == list(range(PARTITIONS))
+
+
+def test_more_relays_than_partitions_leaves_the_extra_ones_waiting(
+    partitioned: OutboxSettings, sessions: Any
+) -> None:
+    two = partitioned.replace(relay_partitions=2)
+    members = [(Ownership(two, name), sessions()) for name in "abc"]
+    for ownership, connection in members:
+        ownership.join(connection)
+    settle(members)
+    assert sorted(len(o.owned) for o, _ in members) == [0, 1, 1]
+
+
+def test_each_relay_sends_only_its_partitions_and_together_every_row_once(
+    app: sessionmaker[Session],
+    partitioned: OutboxSettings,
+    sessions: Any,
+    sqs: Any,
+    queues: dict[str, str],
+    engine: sa.Engine,
+) -> None:
+    with app() as session, session.begin():
+        items = [Dispatch("send_welcome", {"n": n}, tenant_id=1 + n % 12) for n in range(60)]
+        session.add_all(items)
+        platform = [Dispatch("audit", {"n": n}) for n in range(10)]
+        session.add_all(platform)
+    relays = [Relay(partitioned, engine=engine, name=name) for name in ("a", "b")]
+    connections = [sessions(), sessions()]
+    for relay, connection in zip(relays, connections, strict=True):
+        relay.ownership.join(connection)
+    settle([(r.ownership, c) for r, c in zip(relays, connections, strict=True)])
+    first = relays[0].pass_once(connections[0])
+    sent = {str(r.run_id) for r in outbox_rows(engine) if r.sent_at is not None}
+    mine = relays[0].ownership.owned
+    tenant_runs = {str(i.run_id) for i in items if partition_of(engine, i.tenant_id or 0) in mine}
+    assert first.sent == len(sent) and tenant_runs <= sent
+    assert {str(i.run_id) for i in items} & sent == tenant_runs  # no other relay's tenant
+    relays[1].pass_once(connections[1])
+    assert all(r.sent_at is not None for r in outbox_rows(engine))
+    found = collections.Counter(
+        json.loads(m["Body"])["run_id"] for m in receive_all(sqs, queues["default"], expect=70)
+    )
+    assert len(found) == 70 and set(found.values()) == {1}
+    for relay in relays:
+        relay.sender.close()
+
+
+@pytest.fixture
+def running(partitioned: OutboxSettings, database_url: str) -> Iterator[Any]:
+    started: list[Relay] = []
+
+    def start(name: str, **changes: Any) -> Relay:
+        relay = Relay(partitioned.replace(**changes), name=name)
+        relay.start_in_thread()
+        started.append(relay)
+        return relay
+
+    yield start
+    for relay in started:
+        relay.stop()
+    for relay in started:
+        relay.join(30)
+
+
+def wait_for_split(relays: list[Relay], timeout: float = 15.0) -> None:
+    def even() -> bool:
+        counts = sorted(len(r.ownership.owned) for r in relays)
+        return sum(counts) == PARTITIONS and counts[-1] - counts[0] <= 1
+
+    wait_for(even, timeout=timeout)
+
+
+def test_a_valkey_wake_reaches_every_active_relay(
+    app: sessionmaker[Session], partitioned: OutboxSettings, running: Any, engine: sa.Engine
+) -> None:
+    """Only one BLPOP gets each push; the relay that gets it passes it on (NOTIFY), so rows
+    of the other relays' partitions go out at once, not at the 30 s sweep."""
+    assert partitioned.wake_channels == {"valkey"}
+    # relays also pass at each rebalance: space those out so that only a wake explains a
+    # send within 0.8 s
+    relays = [running(name, relay_standby_poll_seconds=3.0) for name in "abc"]
+    wait_for_split(relays, timeout=40)
+    time.sleep(0.5)  # the first passes are done: what follows is woken
+    for round_ in range(3):
+        committed_at = time.monotonic()
+        with app() as session, session.begin():
+            session.add_all([Dispatch("send_welcome", {"r": round_}, tenant_id=t) for t in range(1, 21)])
+        wait_for(lambda: all(r.sent_at is not None for r in outbox_rows(engine)), timeout=10)
+        assert time.monotonic() - committed_at < 0.8
+    assert sum(1 for r in relays if r.counters.sent) == 3  # every relay sent its share
+
+
+def test_a_stopped_relays_partitions_are_taken_over_and_nothing_is_left(
+    app: sessionmaker[Session], partitioned: OutboxSettings, running: Any, engine: sa.Engine
+) -> None:
+    a, b = running("a"), running("b")
+    wait_for_split([a, b])
+    a.stop()
+    a.join(30)
+    wait_for(lambda: len(b.ownership.owned) == PARTITIONS, timeout=10)
+    with app() as session, session.begin():
+        session.add_all([Dispatch("send_welcome", {}, tenant_id=t) for t in range(1, 21)])
+    wait_for(lambda: all(r.sent_at is not None for r in outbox_rows(engine)), timeout=10)
+    assert b.ownership.runs_singletons  # the scheduler moved with partition 0
+
+
+def test_a_pause_holds_rows_in_every_relays_partitions(
+    app: sessionmaker[Session], partitioned: OutboxSettings, running: Any, engine: sa.Engine
+) -> None:
+    with engine.begin() as conn:
+        flow.pause(conn, task="send_welcome", reason="partitions test")
+    relays = [running("a"), running("b")]
+    wait_for_split(relays)
+    with app() as session, session.begin():
+        session.add_all([Dispatch("send_welcome", {}, tenant_id=t) for t in range(1, 20)])
+        session.add(Dispatch("audit", {}))
+    wait_for(lambda: any(r.sent_at is not None for r in outbox_rows(engine)), timeout=10)
+    time.sleep(1.5)  # two flow refreshes
+    rows = outbox_rows(engine)
+    assert [r.envelope["task"] for r in rows if r.sent_at is not None] == ["audit"]
+    with engine.begin() as conn:
+        flow.resume(conn, task="send_welcome")  # (the NOTIFY it sends reaches every relay)
+    wait_for(lambda: all(r.sent_at is not None for r in outbox_rows(engine)), timeout=10)
+
+
+def test_status_shows_the_one_active_relay_without_partitions(
+    settings: OutboxSettings, sessions: Any
+) -> None:
+    single = Ownership(settings, "single")
+    holder = sessions()
+    assert active_relays(holder, settings) == []
+    assert single.join(holder)
+    shown = active_relays(sessions(), settings)
+    assert [r.partitions for r in shown] == [[0]] and shown[0].since is not None
