@@ -33,15 +33,17 @@ from sqla_outbox.cli.terminal import echo, print_check_report, print_json
 @click.option(
     "--once",
     is_flag=True,
-    help="Run one pass and exit; when another relay is active, do nothing (exit code 0, "
-    '"leader": false in --json).',
+    help="Run one pass and exit; when another relay is active (with relay_partitions > 1: "
+    "when running relays own every partition), do nothing (exit code 0, "
+    '"leader": false in --json); otherwise pass over the partitions no relay owns.',
 )
 @click.option("--check", is_flag=True, help="Check the database, Valkey and SQS, then exit.")
 @click.option("--json", "as_json", is_flag=True, help="With --once/--check: print JSON.")
 def relay_command(
     verbose: int, log_format: str, traceback: bool, once: bool, check: bool, as_json: bool, **options: Any
 ) -> None:
-    """Move committed outbox rows to SQS (the one active relay; others stand by)."""
+    """Move committed outbox rows to SQS (one active relay, others stand by; with
+    relay_partitions > 1, every relay active on a share of the outbox)."""
     setup_logging(verbose, log_format)
     with handle_errors(traceback):
         settings = load_settings(**options)
@@ -62,6 +64,8 @@ def relay_command(
             result = relay.run_once()
             if as_json:
                 print_json(dataclasses.asdict(result))
+            elif not result.leader and settings.relay_partitions > 1:
+                echo("running relays own every partition; nothing done (they send the pending rows)")
             elif not result.leader:
                 echo("another relay is active; nothing done (it sends the pending rows)")
             else:

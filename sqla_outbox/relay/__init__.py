@@ -322,12 +322,18 @@ class Relay:
             while not self._stop.is_set():
                 try:
                     with self.engine.connect() as connection:
-                        # with partitions a relay stays a member while it owns none, so the
-                        # others see it and give it a share
-                        if self.ownership.join(connection) or self.ownership.count > 1:
-                            self._lead(connection)
-                        else:
-                            self._stop.wait(self.settings.relay_standby_poll_seconds)
+                        try:
+                            # with partitions a relay stays a member while it owns none, so
+                            # the others see it and give it a share
+                            if self.ownership.join(connection) or self.ownership.count > 1:
+                                self._lead(connection)
+                            else:
+                                self._stop.wait(self.settings.relay_standby_poll_seconds)
+                        except sa.exc.DBAPIError:
+                            # end the session, so every advisory lock it may still hold ends
+                            # with it (a pooled connection would keep them)
+                            connection.invalidate()
+                            raise
                 except sa.exc.DBAPIError as exc:
                     self.ownership.lost()
                     self._set_leader(False)
@@ -402,13 +408,12 @@ class Relay:
                     break
                 if partitioned:
                     self._rebalance(connection)
-                    if not self.ownership.owned:
-                        self._valkey_woken = False
-                        continue
-                    if self._valkey_woken:
+                    if self._valkey_woken:  # even a relay that owns nothing: it took the push
                         self._valkey_woken = False
                         if self.ownership.relays > 1:
                             forward_wake(connection, f"relay:{self.name}")
+                    if not self.ownership.owned:
+                        continue
                 result = self.pass_once(connection)
                 metrics.RELAY_PASSES.labels(
                     "wake" if woken else "timer", "yes" if result.claimed else "no"

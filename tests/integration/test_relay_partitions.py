@@ -156,32 +156,41 @@ def running(partitioned: OutboxSettings, database_url: str) -> Iterator[Any]:
         relay.join(30)
 
 
-def wait_for_split(relays: list[Relay], timeout: float = 15.0) -> None:
+def wait_for_split(relays: list[Relay], timeout: float = 15.0, partitions: int = PARTITIONS) -> None:
     def even() -> bool:
         counts = sorted(len(r.ownership.owned) for r in relays)
-        return sum(counts) == PARTITIONS and counts[-1] - counts[0] <= 1
+        return sum(counts) == partitions and counts[-1] - counts[0] <= 1
 
     wait_for(even, timeout=timeout)
 
 
+@pytest.mark.parametrize(
+    "partitions", [PARTITIONS, 2], ids=["8 partitions", "2 partitions, one relay owns none"]
+)
 def test_a_valkey_wake_reaches_every_active_relay(
-    app: sessionmaker[Session], partitioned: OutboxSettings, running: Any, engine: sa.Engine
+    app: sessionmaker[Session], partitioned: OutboxSettings, running: Any, engine: sa.Engine, partitions: int
 ) -> None:
     """Only one BLPOP gets each push; the relay that gets it passes it on (NOTIFY), so rows
-    of the other relays' partitions go out at once, not at the 30 s sweep."""
+    of the other relays' partitions go out at once, not at the 30 s sweep; a relay that
+    owns no partition passes on what it pops too."""
     assert partitioned.wake_channels == {"valkey"}
     # relays also pass at each rebalance: space those out so that only a wake explains a
     # send within 0.8 s
-    relays = [running(name, relay_standby_poll_seconds=3.0) for name in "abc"]
-    wait_for_split(relays, timeout=40)
-    time.sleep(0.5)  # the first passes are done: what follows is woken
-    for round_ in range(3):
+    relays = [running(name, relay_standby_poll_seconds=3.0, relay_partitions=partitions) for name in "abc"]
+    wait_for_split(relays, timeout=40, partitions=partitions)
+    with app() as session, session.begin():  # each relay's first send builds its SQS client
+        session.add_all([Dispatch("send_welcome", {}, tenant_id=t) for t in range(1, 21)])
+    wait_for(lambda: all(r.sent_at is not None for r in outbox_rows(engine)), timeout=20)
+    time.sleep(0.5)  # what follows is woken
+    for round_ in range(5):
         committed_at = time.monotonic()
         with app() as session, session.begin():
             session.add_all([Dispatch("send_welcome", {"r": round_}, tenant_id=t) for t in range(1, 21)])
         wait_for(lambda: all(r.sent_at is not None for r in outbox_rows(engine)), timeout=10)
         assert time.monotonic() - committed_at < 0.8
-    assert sum(1 for r in relays if r.counters.sent) == 3  # every relay sent its share
+    owning = [r for r in relays if r.ownership.owned]
+    assert len(owning) == min(3, partitions)
+    assert all(r.counters.sent for r in owning)  # every relay that owns partitions sent its share
 
 
 def test_a_stopped_relays_partitions_are_taken_over_and_nothing_is_left(
