@@ -13,6 +13,7 @@ import sqlalchemy as sa
 
 from sqla_outbox import errors
 from sqla_outbox.config import sqlalchemy_url
+from sqla_outbox.migrations import head_revisions
 from sqla_outbox.migrations import queues as outbox_queues
 from tests import support
 from tests.integration.test_alembic_recipes import APP_0001, ROOT, run, write_ini
@@ -93,6 +94,8 @@ def test_autogenerate_upgrade_downgrade_of_a_declared_queue(
     assert "import sqla_outbox.migrations.queues" in source
     assert "op.set_outbox_queues(['reminders'], previous=[])" in source
     assert "op.set_outbox_queues([], previous=['reminders'])" in source
+    (ours,) = head_revisions()  # a database built from scratch creates the CHECK first
+    assert f"depends_on = '{ours}'" in source or f"depends_on = ('{ours}',)" in source
     run(directory, url, "upgrade", "heads")
     insert_run(url, "reminders")
     engine = sa.create_engine(sqlalchemy_url(url), poolclass=sa.pool.NullPool)
