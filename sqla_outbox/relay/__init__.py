@@ -736,6 +736,25 @@ class Relay:
         if now < self._stats_due:
             return
         self._stats_due = now + _STATS_INTERVAL_SECONDS
+        self._refresh_pending_gauges(connection)
+        waits = claim.oldest_due_ages(connection, sorted(self.throttled)) if self.throttled else {}
+        connection.commit()
+        for tenant in self._shown_throttled - set(waits):
+            metrics.TENANT_THROTTLED.remove(str(tenant))
+            metrics.TENANT_THROTTLED_WAIT.remove(str(tenant))
+        for tenant, wait in waits.items():
+            metrics.TENANT_THROTTLED.labels(str(tenant)).set(1)
+            metrics.TENANT_THROTTLED_WAIT.labels(str(tenant)).set(wait)
+        self._shown_throttled = set(waits)
+
+    def _refresh_pending_gauges(self, connection: Connection) -> None:
+        """The pending-rows gauges cover the whole outbox: with several relays only the
+        owner of partition 0 exports them (the others clear theirs), so a sum over relays
+        counts every row once."""
+        if not self.ownership.runs_singletons:
+            metrics.RELAY_PENDING.clear()
+            metrics.RELAY_OLDEST_PENDING_AGE.clear()
+            return
         stats = claim.pending_stats(connection)
         connection.commit()
         seen = set()
@@ -748,15 +767,6 @@ class Relay:
                 if (table, queue) not in seen:
                     metrics.RELAY_PENDING.labels(table, queue).set(0)
                     metrics.RELAY_OLDEST_PENDING_AGE.labels(table, queue).set(0)
-        waits = claim.oldest_due_ages(connection, sorted(self.throttled)) if self.throttled else {}
-        connection.commit()
-        for tenant in self._shown_throttled - set(waits):
-            metrics.TENANT_THROTTLED.remove(str(tenant))
-            metrics.TENANT_THROTTLED_WAIT.remove(str(tenant))
-        for tenant, wait in waits.items():
-            metrics.TENANT_THROTTLED.labels(str(tenant)).set(1)
-            metrics.TENANT_THROTTLED_WAIT.labels(str(tenant)).set(wait)
-        self._shown_throttled = set(waits)
 
 
 class _Allowance:
