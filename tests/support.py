@@ -548,6 +548,13 @@ def service_env(settings: Any, endpoint: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m sqla_outbox <args>`` with ``env`` (e.g. :func:`service_env`), output as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "sqla_outbox", *args], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
 def start_relay(settings: Any, endpoint: str, name: str = "relay", **extra: str) -> ServiceProcess:
     args = [sys.executable, "-m", "sqla_outbox.relay", "--log-format", "json"]
     return ServiceProcess(args, service_env(settings, endpoint, **extra), name)

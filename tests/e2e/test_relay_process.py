@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_outbox import Dispatch
 from sqla_outbox.config import OutboxSettings
+from sqla_outbox.relay.partitions import active_relays
 from tests import support
 from tests.support import outbox_rows, receive_all, start_relay, wait_for
 
@@ -356,3 +357,48 @@ def test_relay_reconnects_to_valkey_and_logs_once_per_outage(
         if valkey is not None:
             valkey.kill()
         assert relay.terminate() == 0
+
+
+def test_partitioned_relays_share_the_outbox_and_take_over_a_killed_ones_partitions(
+    app: sessionmaker[Session],
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+    engine: sa.Engine,
+) -> None:
+    partitioned = {"SQLA_OUTBOX_RELAY_PARTITIONS": "4", "SQLA_OUTBOX_RELAY_STANDBY_POLL_SECONDS": "0.3"}
+    first = start_relay(settings, sqs_endpoint, name="first", **partitioned)
+    second = start_relay(settings, sqs_endpoint, name="second", **partitioned)
+    try:
+        env = support.service_env(settings, sqs_endpoint, **partitioned)
+
+        def owners() -> list[list[int]]:  # what `status` reads
+            with engine.connect() as conn:
+                shown = active_relays(conn, settings.replace(relay_partitions=4))
+            return sorted(sorted(r.partitions) for r in shown)
+
+        wait_for(lambda: [len(p) for p in owners()] == [2, 2], timeout=30)
+        listed = support.run_cli(env, "status", "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert sorted(sorted(r["partitions"]) for r in json.loads(listed.stdout)["relays"]) == owners()
+        with app() as session, session.begin():
+            session.add_all([Dispatch("send_welcome", {"n": n}, tenant_id=1 + n % 20) for n in range(100)])
+        wait_for(lambda: len(sent_run_ids(engine)) == 100, timeout=60)
+        assert first.actions("relay.leader") and second.actions("relay.leader")  # both active at once
+        first.kill()  # kill -9: its session ends, and its partitions with it
+        killed_at = time.monotonic()
+        wait_for(lambda: owners() == [[0, 1, 2, 3]], timeout=15)
+        assert time.monotonic() - killed_at < 5
+        with app() as session, session.begin():
+            session.add_all(
+                [Dispatch("send_welcome", {"n": n}, tenant_id=1 + n % 20) for n in range(100, 150)]
+            )
+        wait_for(lambda: len(sent_run_ids(engine)) == 150, timeout=60)
+        human = support.run_cli(env, "status")
+        assert "Relays (1 active on 4 partitions)" in human.stdout and "0,1,2,3" in human.stdout
+        found = run_ids_in(sqs, queues, expect=150)
+        assert len(found) == 150 and len(set(found)) == 150
+    finally:
+        first.kill()
+        assert second.terminate() == 0
