@@ -197,22 +197,31 @@ def _render_flow(out: Any, report: Any) -> None:
 
 
 def _render_relays(out: Any, report: Any) -> None:
-    """The relays that own the outbox (or its partitions) now."""
+    """The running relays: the active one, or every relay and the partitions it owns."""
     if not report.relays:
         out.print(styled("Relays: none active (nothing is sent to SQS)", "red"))
         return
-    title = (
-        f"Relays ({len(report.relays)} active on {report.relay_partitions} partitions)"
-        if report.relay_partitions > 1
-        else "Relay (one active per database; others are standbys)"
-    )
-    shown = table(title, ("pid", "client", "connected since", "partitions"))
+    values = sorted({r.relay_partitions for r in report.relays})
+    partitioned = values != [1]
+    owning = sum(1 for r in report.relays if r.partitions)
+    if len(values) > 1:
+        title = styled(
+            "Relays disagree on relay_partitions (" + ", ".join(map(str, values)) + "): set one value", "red"
+        )
+    elif partitioned:
+        title = f"Relays ({owning} active on {values[0]} partitions)"
+    else:
+        title = "Relay (one active per database; standbys are not listed)"
+    shown = table(title, ("relay", "pid", "client", "connected since", "relay_partitions", "partitions"))
     for r in report.relays:
+        owned = ",".join(str(p) for p in r.partitions) if r.partitions else "none (waiting for a share)"
         shown.add_row(
+            text(r.name),
             str(r.pid),
             text(r.client),
             when(r.since) if r.since else "-",
-            ",".join(str(p) for p in r.partitions) if report.relay_partitions > 1 else "all",
+            str(r.relay_partitions),
+            owned if partitioned else "all",
         )
     out.print(shown)
 

@@ -184,8 +184,11 @@ class StatusReport:
             or not asked; ``error`` set when Valkey did not answer).
         pauses: Paused tasks, tenants and queues.
         throttled: Tenants whose due runs wait for their rate limit.
-        relay_partitions: ``relay_partitions`` of these settings.
-        relays: The relays that own the outbox or its partitions now.
+        relay_partitions: The ``relay_partitions`` the running relays use (read from their
+            locks, whatever this command's own setting); None when no relay runs or they
+            disagree (each relay's value is in ``relays``).
+        relays: The running relays: the active one, or with partitions every relay and
+            what it owns.
     """
 
     database_time: dt.datetime
@@ -205,7 +208,7 @@ class StatusReport:
     flow_control: gate.FlowControlState | None = None
     pauses: list[flow.Pause] = dataclasses.field(default_factory=list)
     throttled: list[flow.ThrottledTenant] = dataclasses.field(default_factory=list)
-    relay_partitions: int = 1
+    relay_partitions: int | None = None
     relays: list[partitions.ActiveRelay] = dataclasses.field(default_factory=list)
 
 
@@ -291,6 +294,12 @@ def queue_depths(
     return depths
 
 
+def _relays(connection: Connection, settings: OutboxSettings) -> dict[str, Any]:
+    relays = partitions.active_relays(connection, settings)
+    values = {r.relay_partitions for r in relays}
+    return {"relays": relays, "relay_partitions": values.pop() if len(values) == 1 else None}
+
+
 def collect(
     connection: Connection,
     settings: OutboxSettings,
@@ -340,6 +349,5 @@ def collect(
         flow_control=gate.snapshot(settings) if with_valkey else None,
         pauses=flow.list_pauses(connection),
         throttled=flow.throttled_tenants(connection, settings.tenant_rate_limit_per_minute),
-        relay_partitions=settings.relay_partitions,
-        relays=partitions.active_relays(connection, settings),
+        **_relays(connection, settings),
     )

@@ -73,7 +73,7 @@ from sqla_outbox.relay.depth import DepthGauge, auto_depth
 from sqla_outbox.relay.fair import FairClaimer
 from sqla_outbox.relay.hold import Holder
 from sqla_outbox.relay.listen import NotifyListener, forward_wake
-from sqla_outbox.relay.partitions import Ownership
+from sqla_outbox.relay.partitions import RELAY_APPLICATION_PREFIX, Ownership
 from sqla_outbox.relay.pauses import split as split_paused
 from sqla_outbox.relay.ratelimit import RateWindows
 from sqla_outbox.relay.schedule import Scheduler
@@ -175,17 +175,27 @@ ENGINE_CONNECT_ARGS: dict[str, Any] = {
 peer within about 25 s (10 s idle, then 3 probes 5 s apart)."""
 
 
-def make_engine(settings: OutboxSettings, *, pool_size: int = 2) -> Engine:
+def make_engine(
+    settings: OutboxSettings, *, pool_size: int = 2, application_name: str | None = None
+) -> Engine:
     """Engine for relay/worker bookkeeping: pre-ping, TCP keepalives so a vanished peer is
     noticed within about 25 s, and ``hide_parameters`` so a failed statement's error never
-    carries its parameters (an envelope, a payload) into a log line."""
+    carries its parameters (an envelope, a payload) into a log line.
+
+    Args:
+        application_name: The sessions' ``application_name`` (default ``sqla_outbox``);
+            PostgreSQL keeps its first 63 bytes.
+    """
+    connect_args = dict(ENGINE_CONNECT_ARGS)
+    if application_name is not None:
+        connect_args["application_name"] = application_name
     return sa.create_engine(
         settings.sqlalchemy_url,
         pool_size=pool_size,
         max_overflow=2,
         pool_pre_ping=True,
         hide_parameters=True,
-        connect_args=dict(ENGINE_CONNECT_ARGS),
+        connect_args=connect_args,
     )
 
 
@@ -217,7 +227,7 @@ class Relay:
     ) -> None:
         self.settings = settings
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
-        self.engine = engine or make_engine(settings)
+        self.engine = engine or make_engine(settings, application_name=RELAY_APPLICATION_PREFIX + self.name)
         self._owns_engine = engine is None
         self._sender = sender
         self.counters = RelayCounters()

@@ -42,6 +42,7 @@ import dataclasses
 import datetime as dt
 import logging
 import math
+import time
 from typing import Any
 
 import sqlalchemy as sa
@@ -55,6 +56,9 @@ logger = logging.getLogger("sqla_outbox.relay")
 
 MAX_PARTITIONS = 1024
 """Upper bound of ``relay_partitions`` (far more than relays a database can serve)."""
+
+DISAGREEMENT_LOG_SECONDS = 60.0
+"""While relays with different ``relay_partitions`` run, each logs it this often."""
 
 MEMBER_BASE = 1 << 20
 """Membership locks use ``objid = MEMBER_BASE + P``, above every partition number."""
@@ -85,91 +89,122 @@ ALL: dict[str, Any] = {"partition_count": 1, "partitions": [0]}
 """Parameters of the filters that match every row (one relay, or a caller that owns all)."""
 
 
-_OWNERS = sa.text(
+_LOCKS = sa.text(
     """
-SELECT objid::bigint AS objid, pid, mode FROM pg_locks
-WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid = CAST(:classid AS oid)
-  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+SELECT l.pid, l.objsubid, l.objid::bigint AS objid, host(a.client_addr) AS client,
+       a.backend_start AS since, a.application_name AS application
+FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND ((l.objsubid = 2 AND l.classid = CAST(:classid AS oid))
+    OR (l.objsubid = 1 AND l.classid = CAST(:high AS oid) AND l.objid = CAST(:low AS oid)))
 """
 )
 
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Who owns what, as ``pg_locks`` shows it.
-
-    Attributes:
-        members: Backend pids of the relays alive (membership locks), any P.
-        owners: Partition → backend pid holding it.
-        disagreeing: Membership lock ids of relays configured with another P.
-    """
-
-    members: frozenset[int]
-    owners: dict[int, int]
-    disagreeing: frozenset[int] = frozenset()
-
-    def count_of(self, pid: int) -> int:
-        return sum(1 for owner in self.owners.values() if owner == pid)
-
-
-def read_layout(connection: Connection, settings: OutboxSettings) -> Layout:
-    """The relays alive and the partition owners of ``settings``' lock class (one
-    ``pg_locks`` read; commits the connection's transaction)."""
-    count = settings.relay_partitions
-    rows = connection.execute(_OWNERS, {"classid": class_id(settings)}).all()
-    connection.commit()
-    members = frozenset(r.pid for r in rows if r.objid >= MEMBER_BASE)
-    other = frozenset(int(r.objid) - MEMBER_BASE for r in rows if r.objid >= MEMBER_BASE) - {count}
-    owners = {int(r.objid): int(r.pid) for r in rows if r.objid < MEMBER_BASE}
-    return Layout(members, owners, other)
+RELAY_APPLICATION_PREFIX = "sqla_outbox relay "
+"""A relay's connections carry ``application_name = RELAY_APPLICATION_PREFIX + name``
+(PostgreSQL keeps the first 63 bytes), so ``status`` can show the name its logs use."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ActiveRelay:
-    """A relay that owns part of the outbox, as ``python -m sqla_outbox status`` shows it.
+    """A running relay, as ``python -m sqla_outbox status`` shows it.
 
     Attributes:
-        pid: Its backend pid in PostgreSQL. client: The address it connects from (None: a
-            Unix socket). since: When its session started (UTC).
-        partitions: The partitions it owns (``[0]`` with ``relay_partitions`` 1).
+        pid: Its backend pid in PostgreSQL. name: The name in its logs (``host:pid`` by
+            default; None when the reading role may not see other sessions).
+        client: The address it connects from (None: a Unix socket or not visible).
+        since: When its session started (UTC; None when not visible).
+        relay_partitions: The ``relay_partitions`` it runs with.
+        partitions: The partitions it owns (``[0]`` for the active relay with
+            ``relay_partitions`` 1; empty for a relay waiting for a share).
     """
 
     pid: int
+    name: str | None
     client: str | None
     since: dt.datetime | None
+    relay_partitions: int
     partitions: list[int]
 
 
-_ACTIVE = sa.text(
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Who runs and who owns what, as ``pg_locks`` shows it.
+
+    Attributes:
+        members: Backend pid → ``relay_partitions`` of every relay that holds a
+            membership lock, and of the active relay with ``relay_partitions`` 1 (its lock).
+        owners: Partition lock number → backend pid holding it (whatever P it was taken
+            under: the lock numbers of relays with different P overlap).
+        single: Backend pid of the active relay with ``relay_partitions`` 1, if any.
+        relays: Every running relay seen, for display.
     """
-SELECT l.pid, host(a.client_addr) AS client, a.backend_start AS since,
-       array_agg(CASE WHEN l.objsubid = 1 THEN 0 ELSE l.objid::bigint END ORDER BY l.objid) AS partitions
-FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock'
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND ((l.objsubid = 2 AND l.classid = CAST(:classid AS oid) AND l.objid < CAST(:member_base AS oid))
-    OR (l.objsubid = 1 AND l.classid = CAST(:high AS oid) AND l.objid = CAST(:low AS oid)))
-GROUP BY l.pid, a.client_addr, a.backend_start
-ORDER BY min(l.objid)
-"""
-)
+
+    members: dict[int, int]
+    owners: dict[int, int]
+    single: int | None = None
+    relays: tuple[ActiveRelay, ...] = ()
+
+    def count_of(self, pid: int) -> int:
+        return sum(1 for owner in self.owners.values() if owner == pid)
+
+    def others(self, count: int) -> dict[int, int]:
+        """Members configured with another ``relay_partitions`` than ``count``."""
+        return {pid: p for pid, p in self.members.items() if p != count}
+
+    def others_own(self, count: int) -> bool:
+        """A relay with another ``relay_partitions`` owns part of the outbox now."""
+        other = self.others(count)
+        return any(pid in other for pid in self.owners.values()) or (self.single is not None and count != 1)
+
+
+def read_layout(connection: Connection, settings: OutboxSettings) -> Layout:
+    """The relays running on this database and what they own (one ``pg_locks`` read,
+    joined to ``pg_stat_activity`` for display; commits the connection's transaction)."""
+    key = settings.relay_lock_id & 0xFFFF_FFFF_FFFF_FFFF
+    rows = connection.execute(
+        _LOCKS, {"classid": class_id(settings), "high": key >> 32, "low": key & 0xFFFF_FFFF}
+    ).all()
+    connection.commit()
+    members: dict[int, int] = {}
+    owners: dict[int, int] = {}
+    single: int | None = None
+    seen: dict[int, Any] = {}
+    for r in rows:
+        seen[int(r.pid)] = r
+        if r.objsubid == 1:
+            single = int(r.pid)
+            members[single] = 1
+        elif r.objid >= MEMBER_BASE:
+            members[int(r.pid)] = int(r.objid) - MEMBER_BASE
+        else:
+            owners[int(r.objid)] = int(r.pid)
+    relays = []
+    for pid, count in sorted(members.items(), key=lambda item: (item[0] != single, item[0])):
+        row = seen[pid]
+        app = row.application or ""
+        relays.append(
+            ActiveRelay(
+                pid=pid,
+                name=app.removeprefix(RELAY_APPLICATION_PREFIX)
+                if app.startswith(RELAY_APPLICATION_PREFIX)
+                else None,
+                client=row.client,
+                since=row.since,
+                relay_partitions=count,
+                partitions=[0] if pid == single else sorted(p for p, owner in owners.items() if owner == pid),
+            )
+        )
+    relays.sort(key=lambda r: (min(r.partitions, default=MEMBER_BASE), r.pid))
+    return Layout(members, owners, single, tuple(relays))
 
 
 def active_relays(connection: Connection, settings: OutboxSettings) -> list[ActiveRelay]:
-    """The relays that own partitions now (one with ``relay_partitions`` 1), from
-    ``pg_locks``; a relay's address and start come from ``pg_stat_activity`` (None when
-    the reading role may not see other sessions)."""
-    key = settings.relay_lock_id & 0xFFFF_FFFF_FFFF_FFFF
-    rows = connection.execute(
-        _ACTIVE,
-        {
-            "classid": class_id(settings),
-            "member_base": MEMBER_BASE,
-            "high": key >> 32,
-            "low": key & 0xFFFF_FFFF,
-        },
-    ).all()
-    return [ActiveRelay(int(r.pid), r.client, r.since, [int(p) for p in r.partitions]) for r in rows]
+    """Every running relay that holds a lock: the active one with ``relay_partitions`` 1,
+    and with partitions every member, owning partitions or waiting for a share (a
+    standby with ``relay_partitions`` 1 holds nothing and is not listed)."""
+    return list(read_layout(connection, settings).relays)
 
 
 def class_id(settings: OutboxSettings) -> int:
@@ -207,7 +242,7 @@ class Ownership:
         self._member = False
         self._classid = class_id(settings)
         self._pid: int | None = None
-        self._warned_disagree = False
+        self._warned_at = float("-inf")
         self.relays = 1
         """Relays alive at the last rebalance."""
 
@@ -236,11 +271,14 @@ class Ownership:
             True when at least one partition is owned now (the relay is active).
         """
         if self.count == 1:
-            if 0 not in self.owned and self._try(
-                connection, "SELECT pg_try_advisory_lock(:k)", k=self._lock_id
-            ):
-                self.owned.add(0)
-                self._publish()
+            if 0 not in self.owned:
+                layout = read_layout(connection, self.settings)
+                self._warn_disagreement(layout)
+                if not layout.others_own(1) and self._try(
+                    connection, "SELECT pg_try_advisory_lock(:k)", k=self._lock_id
+                ):
+                    self.owned.add(0)
+                    self._publish()
             return bool(self.owned)
         if not self._member:
             connection.execute(
@@ -257,6 +295,10 @@ class Ownership:
         """Lock every partition no one holds, without joining (``relay --once``)."""
         if self.count == 1:
             return self.join(connection)
+        layout = read_layout(connection, self.settings)
+        self._warn_disagreement(layout)
+        if layout.others_own(self.count):
+            return False
         for partition in range(self.count):
             if partition not in self.owned and self._try_partition(connection, partition):
                 self.owned.add(partition)
@@ -272,20 +314,13 @@ class Ownership:
             joined = 0 not in self.owned and self.join(connection)
             return Change(gained=(0,)) if joined else Change()
         layout = read_layout(connection, self.settings)
-        if layout.disagreeing and not self._warned_disagree:
-            self._warned_disagree = True
-            logger.error(
-                "relays of this database disagree on relay_partitions; set the same value everywhere",
-                extra=log_extra(
-                    action="relay.partitions_disagree",
-                    relay=self.name,
-                    partitions=self.count,
-                    others=",".join(str(p) for p in sorted(layout.disagreeing)),
-                ),
-            )
-        members = max(1, len(layout.members))
+        self._warn_disagreement(layout)
+        same = {pid for pid, count in layout.members.items() if count == self.count}
+        if self._pid is not None:
+            same.add(self._pid)
+        members = max(1, len(same))  # relays of another relay_partitions are not counted
         floor, ceil = self.count // members, math.ceil(self.count / members)
-        starved = any(layout.count_of(pid) < floor for pid in layout.members if pid != self._pid)
+        starved = any(layout.count_of(pid) < floor for pid in same if pid != self._pid)
         lost: list[int] = []
         keep = floor if starved else ceil
         for partition in sorted(self.owned, reverse=True)[: max(0, len(self.owned) - keep)]:
@@ -295,6 +330,8 @@ class Ownership:
         # take free partitions up to the share; while another relay is below the floor, only
         # a relay that is itself below it takes any (the others leave them to it)
         target = ceil if (len(self.owned) < floor or not starved) else len(self.owned)
+        if layout.others_own(self.count):
+            target = len(self.owned)  # relays with another relay_partitions run: wait for them to go
         free = [p for p in range(self.count) if p not in layout.owners and p not in self.owned]
         for partition in free:
             if len(self.owned) >= target:
@@ -348,6 +385,29 @@ class Ownership:
         self._publish()
 
     # --- internals -----------------------------------------------------------------------
+    def _warn_disagreement(self, layout: Layout) -> None:
+        """Relays with another ``relay_partitions`` run on this database: log it (at most
+        once a minute while it lasts). A relay never takes partitions while relays of
+        another value own some, so a mistaken value waits instead of splitting the work
+        two ways; relays already active keep going."""
+        others = {pid: count for pid, count in layout.others(self.count).items() if pid != self._pid}
+        now = time.monotonic()
+        if not others or now - self._warned_at < DISAGREEMENT_LOG_SECONDS:
+            return
+        self._warned_at = now
+        values = sorted(set(others.values()))
+        logger.error(
+            "relays of this database disagree on relay_partitions; set the same value everywhere",
+            extra=log_extra(
+                action="relay.partitions_disagree",
+                relay=self.name,
+                partitions=self.count,
+                others=",".join(str(v) for v in values),
+                other_relays=len(others),
+                waiting=not self.owned,
+            ),
+        )
+
     @property
     def _lock_id(self) -> int:
         return self.settings.relay_lock_id

@@ -27,9 +27,7 @@ pytestmark = pytest.mark.e2e
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sqla_outbox", *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    return support.run_cli(env if env is not None else dict(os.environ), *args)
 
 
 def test_catalog_write_and_check(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 import uuid
 from typing import Any
@@ -89,13 +88,7 @@ def test_a_retry_never_asks_sqs_for_visibility_past_12_hours_after_the_first_rec
 
 
 def cli(settings: OutboxSettings, endpoint: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sqla_outbox", *args],
-        capture_output=True,
-        text=True,
-        env=support.service_env(settings, endpoint),
-        timeout=120,
-    )
+    return support.run_cli(support.service_env(settings, endpoint), *args)
 
 
 def test_parked_and_unreceived_runs_are_shown_and_put_back_from_the_command_line(

@@ -5,8 +5,6 @@ a pause during a backlog, a pause that survives a relay ``kill -9``, and a run d
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import uuid
 from typing import Any
@@ -20,6 +18,7 @@ from sqla_outbox.config import OutboxSettings
 from sqla_outbox.relay import claim
 from sqla_outbox.relay.send import SqsSender
 from sqla_outbox.sqs.client import QueueDirectory
+from tests import support
 from tests.support import (
     effects,
     receive_all,
@@ -35,13 +34,7 @@ pytestmark = pytest.mark.e2e
 
 
 def cli_json(env: dict[str, str], *args: str) -> Any:
-    result = subprocess.run(
-        [sys.executable, "-m", "sqla_outbox", *args, "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    result = support.run_cli(env, *args, "--json")
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import uuid
 from typing import Any
 
@@ -15,19 +14,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqla_outbox import Dispatch, Group
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.worker import runs
-from tests.support import service_env
+from tests.support import run_cli, service_env
 
 pytestmark = pytest.mark.e2e
 
 
 def cli(settings: OutboxSettings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sqla_outbox", *args],
-        capture_output=True,
-        text=True,
-        env={**service_env(settings, "http://127.0.0.1:1"), "COLUMNS": "200"},
-        timeout=120,
-    )
+    return run_cli({**service_env(settings, "http://127.0.0.1:1"), "COLUMNS": "200"}, *args)
 
 
 def finish(engine: sa.Engine, run_id: uuid.UUID) -> None:

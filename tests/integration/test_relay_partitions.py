@@ -235,3 +235,41 @@ def test_status_shows_the_one_active_relay_without_partitions(
     assert single.join(holder)
     shown = active_relays(sessions(), settings)
     assert [r.partitions for r in shown] == [[0]] and shown[0].since is not None
+
+
+def test_a_relay_with_another_relay_partitions_waits_instead_of_splitting_the_work(
+    partitioned: OutboxSettings, sessions: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mistaken value (4 among relays on 8, or the default 1) must not leave partitions
+    unowned: the relays on 8 keep the whole outbox between them, the odd one waits, logs
+    why, and shows in status."""
+    members = [(Ownership(partitioned, name), sessions()) for name in "ab"]
+    for ownership, connection in members:
+        ownership.join(connection)
+    settle(members)
+    odd = (Ownership(partitioned.replace(relay_partitions=4), "odd"), sessions())
+    with caplog.at_level("ERROR", logger="sqla_outbox.relay"):
+        assert not odd[0].join(odd[1])
+    assert any("disagree on relay_partitions" in r.getMessage() for r in caplog.records)
+    settle([*members, odd])
+    assert sorted(len(o.owned) for o, _ in members) == [4, 4] and not odd[0].owned
+    single = (Ownership(partitioned.replace(relay_partitions=1), "single"), sessions())
+    assert not single[0].join(single[1])  # the default value beside partitioned relays waits too
+    shown = active_relays(sessions(), partitioned)
+    assert sorted((r.relay_partitions, len(r.partitions)) for r in shown) == [(4, 0), (8, 4), (8, 4)]
+    for _, connection in members:
+        connection.close()  # the relays on 8 go: the odd one takes over
+    assert odd[0].rebalance(odd[1]) and odd[0].owned == {0, 1, 2, 3}
+
+
+def test_partitioned_relays_wait_while_a_relay_with_one_partition_is_active(
+    partitioned: OutboxSettings, sessions: Any
+) -> None:
+    single = (Ownership(partitioned.replace(relay_partitions=1), "single"), sessions())
+    assert single[0].join(single[1])
+    late = (Ownership(partitioned, "late"), sessions())
+    assert not late[0].join(late[1])
+    shown = active_relays(sessions(), partitioned)
+    assert [(r.relay_partitions, r.partitions) for r in shown] == [(1, [0]), (8, [])]
+    single[1].close()
+    assert late[0].rebalance(late[1]) and len(late[0].owned) == PARTITIONS
