@@ -116,9 +116,9 @@ class CheckReport:
     def ok(self) -> bool:
         return all(r.ok for r in self.results)
 
-    def ok_without(self, result: CheckResult) -> bool:
-        """Whether every check other than ``result`` passed."""
-        return all(r.ok for r in self.results if r is not result)
+    def ok_without(self, *results: CheckResult) -> bool:
+        """Whether every check other than ``results`` passed."""
+        return all(r.ok for r in self.results if not any(r is x for x in results))
 
 
 def check_services(settings: OutboxSettings, *, need_queues: bool) -> CheckReport:
@@ -143,6 +143,38 @@ def check_handlers(settings: OutboxSettings) -> CheckResult:
     queues = ", ".join(settings.worker_queues)
     detail = f"{len(registry.tasks)} tasks; queues {queues}"
     return CheckResult("handlers", True, "; ".join([detail, *warnings]))
+
+
+def check_partitions(settings: OutboxSettings) -> CheckResult:
+    """This relay's ``relay_partitions`` against the relays running on the database: fails
+    when they run with another value (this relay would only wait, docs/scaling.md)."""
+    import sqlalchemy as sa
+
+    from sqla_outbox.relay.partitions import active_relays
+
+    try:
+        engine = sa.create_engine(
+            settings.sqlalchemy_url, hide_parameters=True, connect_args={"connect_timeout": 5}
+        )
+        with engine.connect() as conn:
+            running = active_relays(conn, settings)
+        engine.dispose()
+    except Exception as exc:
+        return CheckResult(
+            "relay_partitions", False, f"could not read the running relays: {type(exc).__name__}"
+        )
+    mine = settings.relay_partitions
+    values = sorted({r.relay_partitions for r in running})
+    if values and values != [mine]:
+        shown = ", ".join(str(v) for v in values)
+        return CheckResult(
+            "relay_partitions",
+            False,
+            f"{mine} here, but relays running on this database use {shown}: this relay would wait "
+            "until they stop; set SQLA_OUTBOX_RELAY_PARTITIONS to the same value everywhere",
+        )
+    owning = sum(1 for r in running if r.partitions)
+    return CheckResult("relay_partitions", True, f"{mine}; {owning} relay(s) active now")
 
 
 def check_schedules(settings: OutboxSettings) -> CheckResult:

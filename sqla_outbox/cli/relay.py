@@ -52,10 +52,11 @@ def relay_command(
 
             report = health.check_services(settings, need_queues=True)
             schedules = health.check_schedules(settings)
-            report.results.append(schedules)
+            partitions = health.check_partitions(settings)
+            report.results += [schedules, partitions]
             print_check_report(report, as_json=as_json)
-            if not report.ok:  # 3: a service did not answer; 2: only the catalog is wrong
-                sys.exit(EXIT_CONFIG if report.ok_without(schedules) else EXIT_CONNECT)
+            if not report.ok:  # 3: a service did not answer; 2: only the configuration is wrong
+                sys.exit(EXIT_CONFIG if report.ok_without(schedules, partitions) else EXIT_CONNECT)
             sys.exit(EXIT_OK)
         from sqla_outbox.relay import Relay
 

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqla_outbox import Dispatch, migrations
 from sqla_outbox.config import OutboxSettings, redact_url, sqlalchemy_url
 from tests import support
-from tests.support import free_port, service_env, start_worker, status_of, wait_for
+from tests.support import free_port, service_env, start_relay, start_worker, status_of, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -124,12 +124,34 @@ def test_check_reports_each_service(
     assert ok.returncode == 0, ok.stdout + ok.stderr
     checks = json.loads(ok.stdout)["checks"]
     listen = ["listen"] if settings.wake_notify else []  # the PostgreSQL wake (no Valkey here)
-    assert [c["service"] for c in checks] == ["postgresql", "valkey", *listen, "sqs", "schedules"]
-    assert checks[-1]["detail"].startswith(settings.catalog_path)
+    services = ["postgresql", "valkey", *listen, "sqs", "schedules", "relay_partitions"]
+    assert [c["service"] for c in checks] == services
+    assert checks[-2]["detail"].startswith(settings.catalog_path)
     broken = service_env(settings, sqs_endpoint, SQLA_OUTBOX_QUEUE_PREFIX="nothing-here-")
     bad = cli("relay", "--check", "--json", env=broken)
     assert bad.returncode == 3
     assert not json.loads(bad.stdout)["ok"]
+
+
+def test_check_refuses_a_relay_partitions_the_running_relays_do_not_use(
+    settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]
+) -> None:
+    running = start_relay(settings, sqs_endpoint, name="running", SQLA_OUTBOX_RELAY_PARTITIONS="6")
+    try:
+        running.wait_for_action("relay.leader")
+        same = cli(
+            "relay",
+            "--check",
+            "--json",
+            env=service_env(settings, sqs_endpoint, SQLA_OUTBOX_RELAY_PARTITIONS="6"),
+        )
+        assert same.returncode == 0, same.stdout
+        odd = cli("relay", "--check", "--json", env=service_env(settings, sqs_endpoint))  # the default 1
+        assert odd.returncode == 2, odd.stdout
+        (check,) = [c for c in json.loads(odd.stdout)["checks"] if c["service"] == "relay_partitions"]
+        assert not check["ok"] and "use 6" in check["detail"]
+    finally:
+        assert running.terminate() == 0
 
 
 def get(url: str) -> tuple[int, str]:
