@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 from typing import Any
 
@@ -93,6 +94,7 @@ def relay_command(
         finally:
             if probe is not None:
                 probe.stop()
+            gc.freeze()  # as the worker: no whole-heap collection at exit after the stop
 
 
 def main_relay() -> None:

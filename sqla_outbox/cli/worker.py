@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from typing import Any
@@ -81,6 +82,10 @@ def worker_command(
         finally:
             if probe is not None:
                 probe.stop()
+            # the stop is done: spare the exit a garbage collection of every object the
+            # process built (boto3's models, SQLAlchemy's caches), which took 0.5-2 s of
+            # the time between "worker stopped" and the process ending
+            gc.freeze()
 
 
 def _refuse_unmigrated_database(settings: Any) -> None:
