@@ -259,6 +259,7 @@ class Relay:
         self._rebalance_at = 0.0
         self._valkey_woken = False
         """The wake being served came through Valkey (pass it on to the other relays)."""
+        self._valkey_listener: WakeListener | None = None
 
     # --- public control ------------------------------------------------------------------
     @property
@@ -399,8 +400,7 @@ class Relay:
     def _lead(self, connection: Connection) -> None:
         self._become_active()
         partitioned = self.ownership.count > 1
-        listener = WakeListener(self.settings, self._wake_from_valkey if partitioned else self._wake.set)
-        listener.start()
+        self._sync_wake_listener()
         notify_listener = NotifyListener(
             self.settings,
             self._wake.set,
@@ -418,6 +418,7 @@ class Relay:
                     break
                 if partitioned:
                     self._rebalance(connection)
+                    self._sync_wake_listener()
                     if self._valkey_woken:  # even a relay that owns nothing: it took the push
                         self._valkey_woken = False
                         if self.ownership.relays > 1:
@@ -442,7 +443,9 @@ class Relay:
                 if result.full:
                     self._again = True
         finally:
-            listener.stop()
+            if self._valkey_listener is not None:
+                self._valkey_listener.stop()
+                self._valkey_listener = None
             notify_listener.stop()
             self.rates.forget()  # the next active relay seeds the windows from sent_at
             self.ownership.release(connection)
@@ -461,6 +464,20 @@ class Relay:
                 ),
             )
         self._set_leader(bool(self.ownership.owned))
+
+    def _sync_wake_listener(self) -> None:
+        """BLPOP on the wake key only while this relay owns partitions: a relay that owns
+        none (waiting for a share, or beside relays of another ``relay_partitions``) would
+        take pushes from the relays that send."""
+        if self.ownership.owned and self._valkey_listener is None:
+            partitioned = self.ownership.count > 1
+            self._valkey_listener = WakeListener(
+                self.settings, self._wake_from_valkey if partitioned else self._wake.set
+            )
+            self._valkey_listener.start()
+        elif not self.ownership.owned and self._valkey_listener is not None:
+            self._valkey_listener.stop()
+            self._valkey_listener = None
 
     def _wake_from_valkey(self) -> None:
         self._valkey_woken = True

@@ -273,3 +273,26 @@ def test_partitioned_relays_wait_while_a_relay_with_one_partition_is_active(
     assert [(r.relay_partitions, r.partitions) for r in shown] == [(1, [0]), (8, [])]
     single[1].close()
     assert late[0].rebalance(late[1]) and len(late[0].owned) == PARTITIONS
+
+
+def test_a_waiting_relay_leaves_the_valkey_wakes_to_the_relay_that_sends(
+    app: sessionmaker[Session], partitioned: OutboxSettings, running: Any, engine: sa.Engine
+) -> None:
+    """During a change of relay_partitions (1 → 8) the new relays wait for the old one to
+    stop; they must not BLPOP meanwhile, or the old relay (which does not LISTEN for
+    forwarded wakes with the Valkey wake) would miss half the commits until its sweep."""
+    old = running("old", relay_partitions=1)
+    wait_for(lambda: old.is_leader, timeout=10)
+    new = running("new")
+    time.sleep(1.0)  # the new relay joined and waits
+    assert not new.ownership.owned
+    with app() as session, session.begin():  # the old relay's first send builds its SQS client
+        session.add(Dispatch("send_welcome", {}, tenant_id=1))
+    wait_for(lambda: all(r.sent_at is not None for r in outbox_rows(engine)), timeout=20)
+    for round_ in range(6):
+        committed_at = time.monotonic()
+        with app() as session, session.begin():
+            session.add(Dispatch("send_welcome", {"r": round_}, tenant_id=1 + round_))
+        wait_for(lambda: all(r.sent_at is not None for r in outbox_rows(engine)), timeout=40)
+        assert time.monotonic() - committed_at < 0.8
+    assert new.counters.sent == 0 and not new.ownership.owned
