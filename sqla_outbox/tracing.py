@@ -32,8 +32,16 @@ refuses envelopes that carry one."""
 
 
 def current_carrier() -> dict[str, str]:
-    """The current trace context as a W3C carrier dict; empty without OpenTelemetry."""
-    if propagate is None:
+    """The current trace context as a W3C carrier dict; empty without OpenTelemetry.
+
+    Empty at once when there is no valid current span context (no span started and no
+    remote context attached): the W3C propagator injects nothing then, and the carrier
+    keeps only its ``traceparent``/``tracestate``, so this skips the propagators' work for
+    the common untraced dispatch without changing what is carried.
+    """
+    if propagate is None or trace is None:
+        return {}
+    if not trace.get_current_span().get_span_context().is_valid:
         return {}
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
