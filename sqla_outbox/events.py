@@ -73,6 +73,8 @@ from sqla_outbox.wakeup import Waker
 from sqla_outbox.write import write_runs
 
 SCHEDULED = scheduled_types()
+_TAKEN = (*SCHEDULED, Control)
+"""What the listeners take out of the session at flush."""
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +163,7 @@ class Installation:
             _state(session).controls.append(instance)
 
     def _before_flush(self, session: Session, flush_context: Any, instances: Any) -> None:
-        scheduled = [obj for obj in session.new if isinstance(obj, (*SCHEDULED, Control))]
+        scheduled = [obj for obj in session.new if isinstance(obj, _TAKEN)]
         known = session.info.get(_STATE_KEY)
         if not scheduled and (known is None or not (known.deferred or known.controls)):
             return
@@ -250,6 +252,8 @@ class Installation:
 
 def _in_add_order(session: Session, objects: list[Any]) -> list[Any]:
     """``objects`` in the order they were added (``session.new`` is a set-like view)."""
+    if len(objects) < 2:
+        return objects
     return sorted(objects, key=lambda obj: getattr(_instance_state(obj), "insert_order", 0) or 0)
 
 

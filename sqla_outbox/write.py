@@ -131,6 +131,10 @@ def _insert_one(table: str, notify: bool, plain: bool) -> Any:
     ``plain``: the run has no event, no idempotency key, no ``available_at`` and no delay
     (the usual dispatch), so those four parameters are left out and ``available_at`` is
     ``clock_timestamp()``: the same row, six parameters to bind instead of ten.
+
+    Without the PostgreSQL wake the statement returns no rows: it is the outbox row's
+    ``INSERT`` (from the run the ``runs`` CTE inserted, if any), and its row count, 1 or 0,
+    says whether the run was new.
     """
     tenant_column = "tenant_id, " if table == "outbox_messages" else ""
     tenant_value = ":tenant_id, " if table == "outbox_messages" else ""
@@ -142,16 +146,14 @@ def _insert_one(table: str, notify: bool, plain: bool) -> Any:
                            available_at)
     VALUES (:run_id, :task, :event, :queue, :tenant_id, :key,
             COALESCE(CAST(:available_at AS timestamptz), clock_timestamp() + CAST(:delay AS interval)))"""
-    ctes = f"""
+    runs = f"""
 WITH runs AS (
     {run_insert}
     ON CONFLICT DO NOTHING
     RETURNING run_id, available_at
-),
-rows AS (
-    INSERT INTO {table} ({tenant_column}run_id, queue, envelope, available_at, priority)
-    SELECT {tenant_value}run_id, :queue, CAST(:envelope AS jsonb), available_at, :priority FROM runs
 )"""
+    outbox_insert = f"""INSERT INTO {table} ({tenant_column}run_id, queue, envelope, available_at, priority)
+    SELECT {tenant_value}run_id, :queue, CAST(:envelope AS jsonb), available_at, :priority FROM runs"""
     binds = [
         bindparam("run_id", type_=UUID(as_uuid=True)),
         bindparam("tenant_id", type_=BigInteger),
@@ -163,7 +165,11 @@ rows AS (
             bindparam("delay", type_=Interval),
             bindparam("available_at", type_=DateTime(timezone=True)),
         ]
-    return text(_finish(ctes, "SELECT runs.run_id FROM runs", notify)).bindparams(*binds)
+    if notify:  # the wake's CTE needs a final SELECT that reads it
+        sql = _finish(f"{runs},\nrows AS (\n    {outbox_insert}\n)", "SELECT runs.run_id FROM runs", notify)
+    else:  # the outbox INSERT is the statement: its row count says whether the run was new
+        sql = f"{runs}\n{outbox_insert}\n"
+    return text(sql).bindparams(*binds)
 
 
 _INSERT_ONE = {
@@ -307,6 +313,8 @@ def _execute(
                     "priority": run.priority,
                 },
             )
+        if not notify:
+            return [(run.run_id, None, None)] if result.rowcount == 1 else []
     else:
         result = connection.execute(_INSERT[notify], _params(runs))
     return [(r[0], None, None) for r in result]
