@@ -38,6 +38,7 @@ from typing import Any
 from sqlalchemy import BigInteger, DateTime, Integer, Interval, SmallInteger, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
+from sqlalchemy.sql.elements import BindParameter
 
 from sqla_outbox import errors, webhook_fanout
 from sqla_outbox.dispatch import Prepared, PreparedGroup, PreparedRun
@@ -154,7 +155,7 @@ WITH runs AS (
 )"""
     outbox_insert = f"""INSERT INTO {table} ({tenant_column}run_id, queue, envelope, available_at, priority)
     SELECT {tenant_value}run_id, :queue, CAST(:envelope AS jsonb), available_at, :priority FROM runs"""
-    binds = [
+    binds: list[BindParameter[Any]] = [
         bindparam("run_id", type_=UUID(as_uuid=True)),
         bindparam("tenant_id", type_=BigInteger),
         bindparam("envelope", type_=Text),

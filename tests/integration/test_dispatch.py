@@ -462,3 +462,42 @@ def test_payload_size_is_counted_in_utf8_bytes_whatever_the_script(
     if script == "cjk":  # the issue's own example is accepted now
         (run,) = Dispatch("audit", {"s": "中" * 80_000}).prepare(catalog, max_message_bytes=limit)
         assert len(run.envelope_json.encode("utf-8")) < 241_000
+
+
+def test_a_flush_of_several_runs_stores_every_value_exactly(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """The multi-run statement reads its rows from JSON: keys, offsets and microseconds survive."""
+    odd_offset = dt.timezone(dt.timedelta(hours=5, minutes=30, seconds=15))
+    due = dt.datetime(2031, 4, 5, 6, 7, 8, 123456, tzinfo=odd_offset)
+    key = 'ключ "quoted" \\ back\\slash {brace}, comma 🙂'
+    with factory() as session, session.begin():
+        session.add(Dispatch("send_welcome", {"n": 1}, tenant_id=5, idempotency_key=key))
+        session.add(Dispatch("audit", {"n": 2}, available_at=due, priority=7))
+        session.add(Dispatch("audit", {"n": 3}, delay=dt.timedelta(days=2, seconds=3, microseconds=7)))
+    by_payload = {json.loads(r.envelope["payload"])["n"]: r for r in outbox_rows(engine)}
+    assert by_payload[2].available_at == due
+    with engine.connect() as conn:
+        stored_key = conn.execute(
+            sa.text("SELECT idempotency_key FROM task_runs WHERE tenant_id = 5")
+        ).scalar()
+        priorities = conn.execute(sa.text("SELECT priority FROM platform_outbox_messages")).scalars().all()
+    assert 7 in priorities
+    assert stored_key == key
+    assert by_payload[1].envelope["idempotency_key"] == key
+
+
+@pytest.mark.parametrize(
+    "delay",
+    [
+        dt.timedelta(0),
+        dt.timedelta(microseconds=1),
+        dt.timedelta(days=2, seconds=3, microseconds=7),
+        dt.timedelta(days=999_999_999, seconds=86_399, microseconds=999_999),
+    ],
+)
+def test_delays_reach_postgresql_exactly(engine: sa.Engine, delay: dt.timedelta) -> None:
+    from sqla_outbox.write import _interval
+
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT CAST(:d AS interval)"), {"d": _interval(delay)}).scalar() == delay
