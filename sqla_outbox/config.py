@@ -241,7 +241,7 @@ class OutboxSettings:
         "Partitions of the outbox (docs/scaling.md). 1: one active relay per database, the others "
         "hot standbys. P > 1: up to P relays are active at once, each owning a share of the "
         "partitions (a tenant's rows are in one partition); every relay of a database must use "
-        "the same value.",
+        "the same value. 1..1024.",
     )
     relay_scheduler: bool = _setting(True, "Run the recurring-task scheduler inside the active relay.")
     relay_hold_unserved: bool = _setting(

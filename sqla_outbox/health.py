@@ -174,7 +174,7 @@ def check_partitions(settings: OutboxSettings) -> CheckResult:
             "until they stop; set SQLA_OUTBOX_RELAY_PARTITIONS to the same value everywhere",
         )
     owning = sum(1 for r in running if r.partitions)
-    return CheckResult("relay_partitions", True, f"{mine}; {owning} relay(s) active now")
+    return CheckResult("relay_partitions", True, f"{mine}; {len(running)} relay(s) running, {owning} active")
 
 
 def check_schedules(settings: OutboxSettings) -> CheckResult:

@@ -54,6 +54,10 @@ RELAY_LEADER = Gauge(
 RELAY_PARTITIONS_OWNED = Gauge(
     "sqla_outbox_relay_partitions_owned", "Outbox partitions this relay owns (relay_partitions)."
 )
+RELAY_PARTITIONS_DISAGREE = Gauge(
+    "sqla_outbox_relay_partitions_disagree",
+    "1 while relays with another relay_partitions run on this relay's database.",
+)
 RELAY_PASSES = Counter(
     "sqla_outbox_relay_passes",
     "Claim passes (each one database transaction), by what started them: wake or timer "

@@ -202,26 +202,28 @@ def _render_relays(out: Any, report: Any) -> None:
         out.print(styled("Relays: none active (nothing is sent to SQS)", "red"))
         return
     values = sorted({r.relay_partitions for r in report.relays})
-    partitioned = values != [1]
     owning = sum(1 for r in report.relays if r.partitions)
     if len(values) > 1:
         title = styled(
             "Relays disagree on relay_partitions (" + ", ".join(map(str, values)) + "): set one value", "red"
         )
-    elif partitioned:
-        title = f"Relays ({owning} active on {values[0]} partitions)"
+    elif values == [1]:
+        title = "Relay (one active per database; the others stand by)"
     else:
-        title = "Relay (one active per database; standbys are not listed)"
+        title = f"Relays ({owning} active on {values[0]} partitions)"
     shown = table(title, ("relay", "pid", "client", "connected since", "relay_partitions", "partitions"))
     for r in report.relays:
-        owned = ",".join(str(p) for p in r.partitions) if r.partitions else "none (waiting for a share)"
+        if r.relay_partitions == 1:
+            owned = "all" if r.partitions else "none (standby)"
+        else:
+            owned = ",".join(str(p) for p in r.partitions) if r.partitions else "none (waiting for a share)"
         shown.add_row(
             text(r.name),
             str(r.pid),
             text(r.client),
             when(r.since) if r.since else "-",
             str(r.relay_partitions),
-            owned if partitioned else "all",
+            owned,
         )
     out.print(shown)
 

@@ -334,12 +334,15 @@ class Relay:
                 try:
                     with self.engine.connect() as connection:
                         try:
-                            # with partitions a relay stays a member while it owns none, so
-                            # the others see it and give it a share
-                            if self.ownership.join(connection) or self.ownership.count > 1:
-                                self._lead(connection)
-                            else:
+                            # a standby keeps its session (and membership lock) while it
+                            # waits, so status and the other relays see it; with partitions
+                            # a relay leads while it owns none, so the others give it a share
+                            while not self._stop.is_set():
+                                if self.ownership.join(connection) or self.ownership.count > 1:
+                                    self._lead(connection)
+                                    break
                                 self._stop.wait(self.settings.relay_standby_poll_seconds)
+                            self.ownership.release(connection)
                         except sa.exc.DBAPIError:
                             # end the session, so every advisory lock it may still hold ends
                             # with it (a pooled connection would keep them)
@@ -416,8 +419,8 @@ class Relay:
                 woken = self._wait_for_work(connection, last_claimed=result.claimed)
                 if self._stop.is_set():
                     break
+                self._rebalance(connection)  # (with one partition: only looks for a mismatch)
                 if partitioned:
-                    self._rebalance(connection)
                     self._sync_wake_listener()
                     if self._valkey_woken:  # even a relay that owns nothing: it took the push
                         self._valkey_woken = False

@@ -201,9 +201,8 @@ def read_layout(connection: Connection, settings: OutboxSettings) -> Layout:
 
 
 def active_relays(connection: Connection, settings: OutboxSettings) -> list[ActiveRelay]:
-    """Every running relay that holds a lock: the active one with ``relay_partitions`` 1,
-    and with partitions every member, owning partitions or waiting for a share (a
-    standby with ``relay_partitions`` 1 holds nothing and is not listed)."""
+    """Every running relay (each holds a membership lock): active ones with what they own,
+    standbys and relays waiting for a share with no partitions."""
     return list(read_layout(connection, settings).relays)
 
 
@@ -270,6 +269,14 @@ class Ownership:
         Returns:
             True when at least one partition is owned now (the relay is active).
         """
+        if not self._member:  # every relay, standbys included, so status and the others see it
+            connection.execute(
+                sa.text("SELECT pg_advisory_lock_shared(:c, :o)"),
+                {"c": self._classid, "o": MEMBER_BASE + self.count},
+            )
+            self._pid = int(connection.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+            connection.commit()
+            self._member = True
         if self.count == 1:
             if 0 not in self.owned:
                 layout = read_layout(connection, self.settings)
@@ -280,14 +287,6 @@ class Ownership:
                     self.owned.add(0)
                     self._publish()
             return bool(self.owned)
-        if not self._member:
-            connection.execute(
-                sa.text("SELECT pg_advisory_lock_shared(:c, :o)"),
-                {"c": self._classid, "o": MEMBER_BASE + self.count},
-            )
-            self._pid = int(connection.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
-            connection.commit()
-            self._member = True
         self.rebalance(connection)
         return bool(self.owned)
 
@@ -311,8 +310,10 @@ class Ownership:
         Runs between passes (no claim transaction open). Returns what changed.
         """
         if self.count == 1:
-            joined = 0 not in self.owned and self.join(connection)
-            return Change(gained=(0,)) if joined else Change()
+            if 0 in self.owned:  # the active relay: only look for relays of another value
+                self._warn_disagreement(read_layout(connection, self.settings))
+                return Change()
+            return Change(gained=(0,)) if self.join(connection) else Change()
         layout = read_layout(connection, self.settings)
         self._warn_disagreement(layout)
         same = {pid for pid, count in layout.members.items() if count == self.count}
@@ -367,11 +368,11 @@ class Ownership:
                     connection.execute(
                         sa.text("SELECT pg_advisory_unlock(:c, :p)"), {"c": self._classid, "p": partition}
                     )
-                if self._member:
-                    connection.execute(
-                        sa.text("SELECT pg_advisory_unlock_shared(:c, :o)"),
-                        {"c": self._classid, "o": MEMBER_BASE + self.count},
-                    )
+            if self._member:
+                connection.execute(
+                    sa.text("SELECT pg_advisory_unlock_shared(:c, :o)"),
+                    {"c": self._classid, "o": MEMBER_BASE + self.count},
+                )
             connection.commit()
         except sa.exc.DBAPIError:  # the session is gone; so are its locks
             pass
@@ -391,6 +392,7 @@ class Ownership:
         another value own some, so a mistaken value waits instead of splitting the work
         two ways; relays already active keep going."""
         others = {pid: count for pid, count in layout.others(self.count).items() if pid != self._pid}
+        metrics.RELAY_PARTITIONS_DISAGREE.set(1 if others else 0)
         now = time.monotonic()
         if not others or now - self._warned_at < DISAGREEMENT_LOG_SECONDS:
             return

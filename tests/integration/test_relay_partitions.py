@@ -226,15 +226,17 @@ def test_a_pause_holds_rows_in_every_relays_partitions(
     wait_for(lambda: all(r.sent_at is not None for r in outbox_rows(engine)), timeout=10)
 
 
-def test_status_shows_the_one_active_relay_without_partitions(
+def test_status_shows_the_active_relay_and_its_standby_without_partitions(
     settings: OutboxSettings, sessions: Any
 ) -> None:
     single = Ownership(settings, "single")
     holder = sessions()
     assert active_relays(holder, settings) == []
     assert single.join(holder)
-    shown = active_relays(sessions(), settings)
-    assert [r.partitions for r in shown] == [[0]] and shown[0].since is not None
+    standby = Ownership(settings, "standby")
+    assert not standby.join(sessions())
+    shown = active_relays(sessions(), settings)  # the standby is listed too, owning nothing
+    assert [r.partitions for r in shown] == [[0], []] and shown[0].since is not None
 
 
 def test_a_relay_with_another_relay_partitions_waits_instead_of_splitting_the_work(
@@ -256,7 +258,7 @@ def test_a_relay_with_another_relay_partitions_waits_instead_of_splitting_the_wo
     single = (Ownership(partitioned.replace(relay_partitions=1), "single"), sessions())
     assert not single[0].join(single[1])  # the default value beside partitioned relays waits too
     shown = active_relays(sessions(), partitioned)
-    assert sorted((r.relay_partitions, len(r.partitions)) for r in shown) == [(4, 0), (8, 4), (8, 4)]
+    assert sorted((r.relay_partitions, len(r.partitions)) for r in shown) == [(1, 0), (4, 0), (8, 4), (8, 4)]
     for _, connection in members:
         connection.close()  # the relays on 8 go: the odd one takes over
     assert odd[0].rebalance(odd[1]) and odd[0].owned == {0, 1, 2, 3}
