@@ -19,7 +19,9 @@ Single-row sides (``--txns`` transactions each, one ``session.begin()`` ... comm
     the listeners write the ``task_runs`` row and the ``outbox_messages`` row in one
     statement at flush, and after commit one LPUSH wakes the relay (real Redis).
 ``orm+dispatch(nowake)``
-    the same with ``valkey_url=None`` (no LPUSH), to separate the wake's share.
+    the same with ``valkey_url=None`` and ``wake_mode="none"`` (no LPUSH, no NOTIFY), to
+    separate the wake's share. (Before, ``wake_mode`` stayed ``auto``, which without a
+    Valkey URL is the PostgreSQL wake: this side carried a NOTIFY.)
 ``orm+cte(floor)``
     the ORM row plus the same two rows (``task_runs`` and ``outbox_messages``, the same
     envelope) written by ONE hand-written scalar statement (``WITH runs AS (INSERT ...
@@ -116,7 +118,7 @@ def main() -> None:
         nowake = sessionmaker(engine)
         cat = common.catalog()
         sqla_outbox.install(installed, common.settings(db, args.redis_url), catalog=cat)
-        sqla_outbox.install(nowake, common.settings(db, None), catalog=cat)
+        sqla_outbox.install(nowake, common.settings(db, None, wake_mode="none"), catalog=cat)
         peers = not args.no_peers
         app: Any = None
         if peers:
@@ -278,6 +280,11 @@ def main() -> None:
     report.ratio("floor: (orm+cte) / orm", pr(singles, "orm+cte(floor)", "orm"), None)
     report.ratio(
         "dispatch / floor: (orm+dispatch) / (orm+cte)", pr(singles, "orm+dispatch", "orm+cte(floor)"), 0.95
+    )
+    report.ratio(
+        "dispatch without a wake / floor: (orm+dispatch nowake) / (orm+cte)",
+        pr(singles, "orm+dispatch(nowake)", "orm+cte(floor)"),
+        None,
     )
     report.ratio(
         "the wake's cost: ((orm+dispatch nowake) - (orm+dispatch)) / orm",
