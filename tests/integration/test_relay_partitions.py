@@ -61,6 +61,21 @@ def partition_of(engine: sa.Engine, tenant: int) -> int:
         )
 
 
+def end_session(connection: sa.Connection, observer: sa.Connection) -> None:
+    """Close ``connection`` and wait until PostgreSQL has ended its backend (a backend
+    exits, and frees its locks, a moment after its client hangs up)."""
+    pid = connection.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+    connection.commit()
+    connection.close()
+
+    def gone() -> bool:
+        rows = observer.execute(sa.text("SELECT count(*) FROM pg_locks WHERE pid = :p"), {"p": pid}).scalar()
+        observer.commit()
+        return rows == 0
+
+    wait_for(gone, timeout=10)
+
+
 def settle(members: list[tuple[Ownership, sa.Connection]], rounds: int = 10) -> None:
     for _ in range(rounds):
         if not any([bool(o.rebalance(c)) for o, c in members]):
@@ -88,7 +103,7 @@ def test_relays_split_the_partitions_and_rebalance_when_one_joins_or_dies(
     assert len(layout.members) == 3 and sorted(layout.owners) == list(range(PARTITIONS))
     shown = active_relays(a[1], partitioned)  # what `status` prints
     assert sorted(sorted(r.partitions) for r in shown) == sorted(sorted(o.owned) for o, _ in members)
-    c[1].close()  # the session ends: PostgreSQL frees c's locks, as after kill -9
+    end_session(c[1], a[1])  # the session ends: PostgreSQL frees c's locks, as after kill -9
     settle([a, b])
     assert sorted(len(o.owned) for o, _ in (a, b)) == [4, 4]
     assert sorted(p for o, _ in (a, b) for p in o.owned) == list(range(PARTITIONS))
@@ -260,7 +275,7 @@ def test_a_relay_with_another_relay_partitions_waits_instead_of_splitting_the_wo
     shown = active_relays(sessions(), partitioned)
     assert sorted((r.relay_partitions, len(r.partitions)) for r in shown) == [(1, 0), (4, 0), (8, 4), (8, 4)]
     for _, connection in members:
-        connection.close()  # the relays on 8 go: the odd one takes over
+        end_session(connection, odd[1])  # the relays on 8 go: the odd one takes over
     assert odd[0].rebalance(odd[1]) and odd[0].owned == {0, 1, 2, 3}
 
 
@@ -273,7 +288,7 @@ def test_partitioned_relays_wait_while_a_relay_with_one_partition_is_active(
     assert not late[0].join(late[1])
     shown = active_relays(sessions(), partitioned)
     assert [(r.relay_partitions, r.partitions) for r in shown] == [(1, [0]), (8, [])]
-    single[1].close()
+    end_session(single[1], late[1])
     assert late[0].rebalance(late[1]) and len(late[0].owned) == PARTITIONS
 
 
