@@ -288,32 +288,22 @@ def _execute(
     if len(runs) == 1:
         run = runs[0]
         table = "platform_outbox_messages" if run.tenant_id is None else "outbox_messages"
-        if run.event is None and run.idempotency_key is None and run.available_at is None and not run.delay:
-            params = {
-                "run_id": run.run_id,
-                "task": run.task,
-                "queue": run.queue,
-                "tenant_id": run.tenant_id,
-                "envelope": run.envelope_json,
-                "priority": run.priority,
-            }
-            result = connection.execute(_INSERT_ONE[table, notify, True], params)
-        else:
-            result = connection.execute(
-                _INSERT_ONE[table, notify, False],
-                {
-                    "run_id": run.run_id,
-                    "task": run.task,
-                    "event": run.event,
-                    "queue": run.queue,
-                    "tenant_id": run.tenant_id,
-                    "key": run.idempotency_key,
-                    "delay": run.delay,
-                    "available_at": run.available_at,
-                    "envelope": run.envelope_json,
-                    "priority": run.priority,
-                },
+        one: dict[str, Any] = {
+            "run_id": run.run_id,
+            "task": run.task,
+            "queue": run.queue,
+            "tenant_id": run.tenant_id,
+            "envelope": run.envelope_json,
+            "priority": run.priority,
+        }
+        plain = (
+            run.event is None and run.idempotency_key is None and run.available_at is None and not run.delay
+        )
+        if not plain:  # the statement that also binds the event, key and when it is due
+            one.update(
+                event=run.event, key=run.idempotency_key, delay=run.delay, available_at=run.available_at
             )
+        result = connection.execute(_INSERT_ONE[table, notify, plain], one)
         if not notify:
             return [(run.run_id, None, None)] if result.rowcount == 1 else []
     else:

@@ -89,17 +89,24 @@ ALL: dict[str, Any] = {"partition_count": 1, "partitions": [0]}
 """Parameters of the filters that match every row (one relay, or a caller that owns all)."""
 
 
-_LOCKS = sa.text(
-    """
-SELECT l.pid, l.objsubid, l.objid::bigint AS objid, host(a.client_addr) AS client,
-       a.backend_start AS since, a.application_name AS application
-FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+_LOCK_ROWS = """
 WHERE l.locktype = 'advisory' AND l.granted
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND ((l.objsubid = 2 AND l.classid = CAST(:classid AS oid))
     OR (l.objsubid = 1 AND l.classid = CAST(:high AS oid) AND l.objid = CAST(:low AS oid)))
 """
+_LOCKS = sa.text(
+    "SELECT l.pid, l.objsubid, l.objid::bigint AS objid, NULL AS client, NULL::timestamptz AS since, "
+    "NULL AS application FROM pg_locks AS l" + _LOCK_ROWS
 )
+"""The relays' locks, as every rebalance reads them (``pg_locks`` alone)."""
+_LOCKS_SHOWN = sa.text(
+    "SELECT l.pid, l.objsubid, l.objid::bigint AS objid, host(a.client_addr) AS client, "
+    "a.backend_start AS since, a.application_name AS application "
+    "FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid" + _LOCK_ROWS
+)
+"""The same, with each session's address, start and name for ``status`` (a
+``pg_stat_activity`` snapshot, which the relays' rebalance does not need)."""
 
 RELAY_APPLICATION_PREFIX = "sqla_outbox relay "
 """A relay's connections carry ``application_name = RELAY_APPLICATION_PREFIX + name``
@@ -159,12 +166,14 @@ class Layout:
         return any(pid in other for pid in self.owners.values()) or (self.single is not None and count != 1)
 
 
-def read_layout(connection: Connection, settings: OutboxSettings) -> Layout:
-    """The relays running on this database and what they own (one ``pg_locks`` read,
-    joined to ``pg_stat_activity`` for display; commits the connection's transaction)."""
+def read_layout(connection: Connection, settings: OutboxSettings, *, shown: bool = False) -> Layout:
+    """The relays running on this database and what they own (one ``pg_locks`` read;
+    ``shown``: joined to ``pg_stat_activity`` for each relay's name, address and start,
+    else those are None). Commits the connection's transaction."""
     key = settings.relay_lock_id & 0xFFFF_FFFF_FFFF_FFFF
     rows = connection.execute(
-        _LOCKS, {"classid": class_id(settings), "high": key >> 32, "low": key & 0xFFFF_FFFF}
+        _LOCKS_SHOWN if shown else _LOCKS,
+        {"classid": class_id(settings), "high": key >> 32, "low": key & 0xFFFF_FFFF},
     ).all()
     connection.commit()
     members: dict[int, int] = {}
@@ -203,7 +212,7 @@ def read_layout(connection: Connection, settings: OutboxSettings) -> Layout:
 def active_relays(connection: Connection, settings: OutboxSettings) -> list[ActiveRelay]:
     """Every running relay (each holds a membership lock): active ones with what they own,
     standbys and relays waiting for a share with no partitions."""
-    return list(read_layout(connection, settings).relays)
+    return list(read_layout(connection, settings, shown=True).relays)
 
 
 def class_id(settings: OutboxSettings) -> int:

@@ -313,3 +313,36 @@ def test_a_waiting_relay_leaves_the_valkey_wakes_to_the_relay_that_sends(
         wait_for(lambda: all(r.sent_at is not None for r in outbox_rows(engine)), timeout=40)
         assert time.monotonic() - committed_at < 0.8
     assert new.counters.sent == 0 and not new.ownership.owned
+
+
+def test_fairness_and_priority_hold_in_the_relay_that_owns_the_tenants(
+    app: sessionmaker[Session], partitioned: OutboxSettings, sessions: Any, engine: sa.Engine, queues: Any
+) -> None:
+    """Two tenants of one partition: its owner's first pass of 10 serves the small tenant
+    behind the big one's backlog, and the big one's priority-1 run committed last."""
+    tenants: dict[int, list[int]] = {}
+    for tenant in range(1, 21):
+        tenants.setdefault(partition_of(engine, tenant), []).append(tenant)
+    big, small = next(group for group in tenants.values() if len(group) >= 2)[:2]
+    with app() as session, session.begin():
+        session.add_all([Dispatch("send_welcome", {"n": n}, tenant_id=big) for n in range(50)])
+    with app() as session, session.begin():
+        urgent = Dispatch("send_welcome", {"urgent": True}, tenant_id=big, priority=1)
+        other = Dispatch("send_welcome", {}, tenant_id=small)
+        session.add_all([urgent, other])
+    settings = partitioned.replace(relay_batch_size=10, relay_queue_depth=0)
+    relays = [Relay(settings, engine=engine, name=name) for name in "ab"]
+    connections = [sessions(), sessions()]
+    for relay, connection in zip(relays, connections, strict=True):
+        relay.ownership.join(connection)
+    settle([(r.ownership, c) for r, c in zip(relays, connections, strict=True)])
+    owner, connection = next(
+        (r, c)
+        for r, c in zip(relays, connections, strict=True)
+        if partition_of(engine, big) in r.ownership.owned
+    )
+    assert owner.pass_once(connection).sent == 10
+    sent = {r.run_id for r in outbox_rows(engine) if r.sent_at is not None}
+    assert {urgent.run_id, other.run_id} <= sent
+    for relay in relays:
+        relay.sender.close()
