@@ -16,6 +16,7 @@ generated from the field metadata below (``python -m sqla_outbox config-referenc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -496,12 +497,13 @@ class OutboxSettings:
         """``database_url`` with the psycopg 3 driver when no driver is named."""
         return sqlalchemy_url(self.database_url)
 
-    @property
+    @functools.cached_property
     def wake_channels(self) -> frozenset[str]:
         """The wake signals in force: a subset of ``{"valkey", "postgres"}``.
 
         ``wake_mode="auto"`` resolves to ``{"valkey"}`` when ``valkey_url`` is set, else
         ``{"postgres"}``; ``valkey`` (or ``both``) without a ``valkey_url`` drops Valkey.
+        Computed once per settings object (they are frozen): every flush reads it.
         """
         if self.wake_mode == "auto":
             return frozenset({"valkey"} if self.valkey_url else {"postgres"})

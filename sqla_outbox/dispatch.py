@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 _MAX_KEY_LENGTH = 512
 _BIGINT = 2**63
 _MISSING: Any = object()
+_NO_DELAY = dt.timedelta(0)
 
 
 @dataclasses.dataclass
@@ -137,8 +138,11 @@ class _Scheduled:
                 name_for_errors, f"tenant_id must be an integer (bigint), got {tenant_id!r}"
             )
         self.tenant_id = tenant_id
-        self.delay = _coerce_delay(name_for_errors, delay, available_at)
-        self.available_at = _coerce_available_at(name_for_errors, available_at)
+        if delay is None and available_at is None:  # the usual dispatch: due at once
+            self.delay, self.available_at = _NO_DELAY, None
+        else:
+            self.delay = _coerce_delay(name_for_errors, delay, available_at)
+            self.available_at = _coerce_available_at(name_for_errors, available_at)
         if idempotency_key is not None and (
             not isinstance(idempotency_key, str) or not 0 < len(idempotency_key) <= _MAX_KEY_LENGTH
         ):
@@ -173,7 +177,7 @@ class _Scheduled:
             raise errors.InvalidDispatch(
                 spec.name, "the catalog gives this task scope 'platform'; it takes no tenant_id"
             )
-        env = envelope_mod.Envelope(
+        document = envelope_mod.document(
             run_id=run_id,
             task=spec.name,
             queue=queue,
@@ -183,9 +187,8 @@ class _Scheduled:
             idempotency_key=self.idempotency_key,
             trace=self.trace,
         )
-        document = env.to_document()
         encoded = envelope_mod.encode_document(document)
-        attributes = env.message_attributes()
+        attributes = envelope_mod.message_attributes(run_id, spec.name, self.tenant_id)
         size = envelope_mod.message_size_bytes(encoded, attributes) + envelope_mod.SIGNATURE_SIZE_BYTES
         if size > max_message_bytes:
             raise errors.EnvelopeTooLarge(spec.name, size_bytes=size, limit_bytes=max_message_bytes)
@@ -570,7 +573,7 @@ def _coerce_delay(
     available_at: dt.datetime | None,
 ) -> dt.timedelta:
     if delay is None:
-        return dt.timedelta(0)
+        return _NO_DELAY
     if available_at is not None:
         raise errors.InvalidDispatch(name, "pass delay or available_at, not both")
     if isinstance(delay, bool) or not isinstance(delay, (dt.timedelta, int, float)):

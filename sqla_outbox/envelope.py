@@ -95,19 +95,16 @@ class Envelope:
 
     def to_document(self) -> dict[str, Any]:
         """The envelope as a JSON-ready dict (stored in the outbox ``envelope`` column)."""
-        doc: dict[str, Any] = {
-            "v": VERSION,
-            "run_id": str(self.run_id),
-            "task": self.task,
-            "queue": self.queue,
-            "tenant_id": self.tenant_id,
-            "event": self.event,
-            "idempotency_key": self.idempotency_key,
-            "payload": self.payload_json,
-        }
-        if self.trace:
-            doc["trace"] = dict(self.trace)
-        return doc
+        return document(
+            run_id=self.run_id,
+            task=self.task,
+            queue=self.queue,
+            tenant_id=self.tenant_id,
+            payload_json=self.payload_json,
+            event=self.event,
+            idempotency_key=self.idempotency_key,
+            trace=self.trace,
+        )
 
     def encode(self) -> str:
         """The SQS message body (compact UTF-8 JSON, :func:`dumps`)."""
@@ -123,11 +120,44 @@ class Envelope:
         return message_size_bytes(self.encode(), self.message_attributes()) + SIGNATURE_SIZE_BYTES
 
 
+def document(
+    *,
+    run_id: uuid.UUID,
+    task: str,
+    queue: str,
+    tenant_id: int | None,
+    payload_json: str,
+    event: str | None,
+    idempotency_key: str | None,
+    trace: Mapping[str, str],
+) -> dict[str, Any]:
+    """The envelope document of these fields (:meth:`Envelope.to_document`), built without
+    an :class:`Envelope` (the dispatch path makes one per run)."""
+    doc: dict[str, Any] = {
+        "v": VERSION,
+        "run_id": str(run_id),
+        "task": task,
+        "queue": queue,
+        "tenant_id": tenant_id,
+        "event": event,
+        "idempotency_key": idempotency_key,
+        "payload": payload_json,
+    }
+    if trace:
+        doc["trace"] = dict(trace)
+    return doc
+
+
 _NOT_CARRIED = re.compile("[\ud800-\udfff\ufffe\uffff]")
 
 
 def _json_escape(match: re.Match[str]) -> str:
     return f"\\u{ord(match.group()):04x}"
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_STRICT_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+"""What ``json.dumps`` would build on every call with these options (made once)."""
 
 
 def dumps(value: Any, *, allow_nan: bool = True) -> str:
@@ -139,7 +169,7 @@ def dumps(value: Any, *, allow_nan: bool = True) -> str:
     ``\\uXXXX`` escapes. They can only occur inside JSON strings, where the escape means the
     same character, so ``json.loads`` returns the same value.
     """
-    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=allow_nan)
+    text = (_ENCODER if allow_nan else _STRICT_ENCODER).encode(value)
     if _NOT_CARRIED.search(text) is None:
         return text
     return _NOT_CARRIED.sub(_json_escape, text)
@@ -212,11 +242,43 @@ def encode_payload(task: str, payload: Any) -> str:
         PayloadNotSerializable: A value is not plain JSON; the message names its path
             (``$.items[2]``) and type.
     """
-    _check_plain_json(task, payload)
+    if not _is_plain_json(payload):
+        _check_plain_json(task, payload)  # raises, naming the path, or accepts subclasses
     try:
         return dumps(payload, allow_nan=False)
     except (ValueError, TypeError, RecursionError) as exc:  # pragma: no cover - walk covers
         raise errors.PayloadNotSerializable(task, f"payload is not JSON: {exc}") from exc
+
+
+def _is_plain_json(payload: Any) -> bool:
+    """True when ``payload`` is plain JSON made of the exact built-in types only (``dict``
+    with ``str`` keys, ``list``, ``tuple``, ``str``, ``int``, ``bool``, ``None``, finite
+    ``float``), nested at most ``_MAX_DEPTH`` levels: the common payload, checked without
+    building the paths an error message needs. False means "not sure": subclasses (an
+    ``IntEnum``, a ``str`` subclass) and every error go to :func:`_check_plain_json`."""
+    stack: list[tuple[Any, int]] = [(payload, 0)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        value, depth = pop()
+        kind = type(value)
+        if depth > _MAX_DEPTH:
+            return False
+        if kind is str or kind is int or kind is bool or value is None:
+            continue
+        if kind is float:
+            if not math.isfinite(value):
+                return False
+        elif kind is dict:
+            for key, item in value.items():
+                if type(key) is not str:
+                    return False
+                push((item, depth + 1))
+        elif kind is list or kind is tuple:
+            for item in value:
+                push((item, depth + 1))
+        else:
+            return False
+    return True
 
 
 def _check_plain_json(task: str, payload: Any) -> None:

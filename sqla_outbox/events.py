@@ -163,7 +163,8 @@ class Installation:
             _state(session).controls.append(instance)
 
     def _before_flush(self, session: Session, flush_context: Any, instances: Any) -> None:
-        scheduled = [obj for obj in session.new if isinstance(obj, _TAKEN)]
+        new = session.new
+        scheduled = [obj for obj in new if isinstance(obj, _TAKEN)]
         known = session.info.get(_STATE_KEY)
         if not scheduled and (known is None or not (known.deferred or known.controls)):
             return
@@ -177,7 +178,7 @@ class Installation:
                 self._before_attach(session, obj)
             assert obj._prepared is not None
             state.deferred.extend(obj._prepared)
-        if session.new or session.deleted:
+        if len(new) > len(scheduled) or session.deleted:
             return  # after_flush writes them, after this flush's own INSERTs
         self._write_deferred(session, state)
 

@@ -194,9 +194,11 @@ class Waker:
     """Pushes the wake signal after commits (application side), off the commit path.
 
     :meth:`wake` only counts the commit and returns at once; a daemon thread of the waker
-    does the LPUSH. A commit that finds no push scheduled schedules one (a token on an
-    in-process queue, which wakes the thread); commits that finish while a push is
-    scheduled or in flight only add to its count and share the next one (a single wake
+    does the LPUSH. A commit that finds the thread idle schedules a push (a token on an
+    in-process queue, which wakes the thread); while commits keep coming, the thread stays
+    in a burst, pushing at most once per 10 ms what the commits since its last push
+    counted, and goes back to waiting on the queue after a 10 ms window without a commit.
+    Commits during a burst only add to the count and share the next push (a single wake
     makes the relay read everything committed before it). So a commit never waits for
     Valkey, even when it is slow, hung or down, and during a burst of commits it costs
     a counter increment: neither a thread switch nor a Valkey round trip. The thread is
@@ -235,7 +237,7 @@ class Waker:
         self._queue: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._count_lock = threading.Lock()
         self._waiting = 0  # commits since the last push took its count
-        self._scheduled = False  # a token is on the queue or being waited out
+        self._scheduled = False  # a token is on the queue, or the thread is in a burst
         self._busy = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
@@ -300,21 +302,30 @@ class Waker:
     def _run(self) -> None:
         last_push = 0.0
         while True:
-            token = self._queue.get()
+            token = self._queue.get()  # idle: until a commit schedules a push
             if token == 0:
                 return
             self._busy.set()
-            pause = last_push + self._MIN_PUSH_INTERVAL_SECONDS - time.monotonic()
-            if pause > 0:  # a burst: let the commits of the next moment share this push
-                time.sleep(pause)
-            with self._count_lock:  # from here on a commit schedules the next push
-                self._scheduled = False
-                count, self._waiting = self._waiting, 0
             try:
-                if count:
-                    self._push(count)
+                # A burst: push, then every 10 ms while commits keep coming, without going
+                # back to the queue (the committing threads only count; no hand-off per
+                # window). A window without a commit ends the burst.
+                while True:
+                    pause = last_push + self._MIN_PUSH_INTERVAL_SECONDS - time.monotonic()
+                    if pause > 0:
+                        time.sleep(pause)
+                    with self._count_lock:
+                        count, self._waiting = self._waiting, 0
+                        if not count:  # from here on a commit schedules the next push
+                            self._scheduled = False
+                            break
+                    try:
+                        self._push(count)
+                    finally:
+                        last_push = time.monotonic()
+                    if self._closed:
+                        break
             finally:
-                last_push = time.monotonic()
                 self._busy.clear()
             if self._closed:
                 return
@@ -327,9 +338,11 @@ class Waker:
             return
         try:
             # one wake serves every commit that queued it; LPUSH returns the list's length,
-            # so the list is trimmed only when no relay has been popping it
+            # so the list is trimmed only when no relay has been popping it, and then to one
+            # entry (the entries are all alike and one wakes a relay), so that while no relay
+            # pops, the next list_max pushes go without a trim
             if int(self._client.lpush(self.key, 1)) > self.list_max:
-                self._client.ltrim(self.key, 0, self.list_max - 1)
+                self._client.ltrim(self.key, 0, 0)
         except (redis.RedisError, OSError) as exc:
             metrics.WAKES.labels("failed").inc(count)
             self.stats.failed += count

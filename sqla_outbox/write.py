@@ -220,9 +220,16 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
         sqlalchemy.exc.DBAPIError: From the database, e.g. a tenant foreign key
             violation; the session's transaction is then rolled back by SQLAlchemy.
     """
-    runs = [item for item in prepared if isinstance(item, PreparedRun)]
-    fanouts = [item for item in prepared if isinstance(item, PreparedFanout)]
-    groups = [item for item in prepared if isinstance(item, PreparedGroup)]
+    only = prepared[0] if len(prepared) == 1 else None
+    runs: list[PreparedRun]
+    fanouts: list[PreparedFanout] = []
+    groups: list[PreparedGroup] = []
+    if isinstance(only, PreparedRun):  # the usual flush: one run
+        runs = [only]
+    else:
+        runs = [item for item in prepared if isinstance(item, PreparedRun)]
+        fanouts = [item for item in prepared if isinstance(item, PreparedFanout)]
+        groups = [item for item in prepared if isinstance(item, PreparedGroup)]
     if groups:
         _write_groups(connection, groups)
     unique: list[PreparedRun] = []
@@ -266,7 +273,7 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
             else:
                 run.deduplicated = True
                 missing.append(run)
-        pending = _resolve_existing(connection, missing)
+        pending = _resolve_existing(connection, missing) if missing else []
     for run, earlier in twins:
         run.resolved_run_id = earlier.resolved_run_id
         run.deduplicated = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import enum
 import json
 import uuid
 
@@ -87,6 +88,31 @@ def test_deeply_nested_payload_is_refused_not_crashing() -> None:
         deep = [deep]
     with pytest.raises(errors.PayloadNotSerializable, match="deeper than"):
         envelope.encode_payload("t", deep)
+
+
+def test_the_quick_check_and_the_full_walk_agree_at_the_edges() -> None:
+    # the exact built-in types take the quick check; subclasses and errors the full walk
+    class Level(enum.IntEnum):
+        HIGH = 1
+
+    class Name(str):
+        pass
+
+    accepted = [{"level": Level.HIGH, "name": Name("n"), "pair": (1, 2)}, True, None]
+    assert [envelope._is_plain_json(p) for p in accepted] == [False, True, True]
+    assert [json.loads(envelope.encode_payload("t", p)) for p in accepted] == [
+        {"level": 1, "name": "n", "pair": [1, 2]},
+        True,
+        None,
+    ]
+    deepest: object = 1  # nested exactly as deep as allowed, then one level more
+    for _ in range(envelope._MAX_DEPTH):
+        deepest = [deepest]
+    assert envelope._is_plain_json(deepest)
+    envelope.encode_payload("t", deepest)
+    assert not envelope._is_plain_json([deepest])
+    with pytest.raises(errors.PayloadNotSerializable, match="deeper than"):
+        envelope.encode_payload("t", [deepest])
 
 
 def test_size_counts_body_and_attribute_names_types_and_values() -> None:
