@@ -93,6 +93,42 @@ _OUTBOX_INSERT = sa.text(
 )
 
 
+_PAYLOAD_JSON = json.dumps(common.PAYLOAD, separators=(",", ":"))
+
+
+def _floor_row(run_id: uuid.UUID, tenant: int) -> dict[str, Any]:
+    """The floor's parameters for one run: the same envelope a dispatch stores."""
+    envelope = {
+        "v": 1,
+        "run_id": str(run_id),
+        "task": common.TENANT_TASK,
+        "queue": "default",
+        "tenant_id": tenant,
+        "event": None,
+        "idempotency_key": None,
+        "payload": _PAYLOAD_JSON,
+    }
+    return {
+        "run_id": run_id,
+        "task": common.TENANT_TASK,
+        "tenant_id": tenant,
+        "envelope": json.dumps(envelope, separators=(",", ":")),
+    }
+
+
+def floor_cte(session: Session, i: int) -> None:
+    """The floor: the run and outbox rows by one hand-written statement on the session's
+    connection (no listeners, no wake)."""
+    session.connection().execute(_FLOOR_CTE, _floor_row(uuid.uuid4(), 1 + i % common.TENANTS))
+
+
+def add_dispatch(session: Session, i: int) -> None:
+    """What the dispatch sides add to the ORM row: one tenant ``Dispatch``."""
+    from sqla_outbox import Dispatch
+
+    session.add(Dispatch(common.TENANT_TASK, common.PAYLOAD, tenant_id=1 + i % common.TENANTS))
+
+
 def main() -> None:
     p = common.parser(__doc__, rounds=11)
     p.add_argument("--txns", type=int, default=200, help="transactions per side per round (default 200)")
@@ -133,8 +169,6 @@ def main() -> None:
                     _TRUNCATE + (", procrastinate_jobs" if peers else "") + " RESTART IDENTITY CASCADE"
                 )
 
-        payload_json = json.dumps(common.PAYLOAD, separators=(",", ":"))
-
         def single(factory: sessionmaker[Session], extra: Any = None) -> float:
             truncate()
             n = args.txns
@@ -145,32 +179,6 @@ def main() -> None:
                     if extra is not None:
                         extra(session, i)
             return n / (time.perf_counter() - started)
-
-        def add_dispatch(session: Session, i: int) -> None:
-            session.add(Dispatch(common.TENANT_TASK, common.PAYLOAD, tenant_id=1 + i % common.TENANTS))
-
-        def floor_cte(session: Session, i: int) -> None:
-            run_id = uuid.uuid4()
-            tenant = 1 + i % common.TENANTS
-            envelope = {
-                "v": 1,
-                "run_id": str(run_id),
-                "task": common.TENANT_TASK,
-                "queue": "default",
-                "tenant_id": tenant,
-                "event": None,
-                "idempotency_key": None,
-                "payload": payload_json,
-            }
-            session.connection().execute(
-                _FLOOR_CTE,
-                {
-                    "run_id": run_id,
-                    "task": common.TENANT_TASK,
-                    "tenant_id": tenant,
-                    "envelope": json.dumps(envelope, separators=(",", ":")),
-                },
-            )
 
         def defer(session: Session, i: int) -> None:
             raw = session.connection().connection.driver_connection
@@ -197,24 +205,7 @@ def main() -> None:
                 for i in range(args.batch):
                     run_id = uuid.uuid4()
                     tenant = 1 + (t + i) % common.TENANTS
-                    envelope = {
-                        "v": 1,
-                        "run_id": str(run_id),
-                        "task": common.TENANT_TASK,
-                        "queue": "default",
-                        "tenant_id": tenant,
-                        "event": None,
-                        "idempotency_key": None,
-                        "payload": payload_json,
-                    }
-                    rows.append(
-                        {
-                            "run_id": run_id,
-                            "task": common.TENANT_TASK,
-                            "tenant_id": tenant,
-                            "envelope": json.dumps(envelope, separators=(",", ":")),
-                        }
-                    )
+                    rows.append(_floor_row(run_id, tenant))
                 with engine.begin() as conn:
                     conn.execute(_RUN_INSERT, rows)
                     conn.execute(_OUTBOX_INSERT, rows)

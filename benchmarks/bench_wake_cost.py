@@ -10,7 +10,7 @@ connection, each transaction one ORM row + one ``Dispatch``:
 ``dispatch, wake (this tree)``   the real Valkey wake with this tree's ``Waker``;
 ``dispatch, wake (baseline)``    the same with ``sqla_outbox/wakeup.py`` of ``--baseline``
                                  (loaded from ``git show``), everything else identical;
-``dispatch, no wake``            ``valkey_url=None``;
+``dispatch, no wake``            ``valkey_url=None`` and ``wake_mode="none"`` (no LPUSH, no NOTIFY);
 ``floor``              the same two rows by one hand-written statement (``bench_dispatch.py``).
 
 Reported: each side's txn/s, and per round ((no wake) - (wake)) / orm for both wakers:
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as common
-from bench_dispatch import _TRUNCATE, _order
+from bench_dispatch import _TRUNCATE, _order, add_dispatch, floor_cte
 from sqlalchemy.orm import sessionmaker
 
 
@@ -56,10 +56,7 @@ def main() -> None:
     p.add_argument("--baseline", default="main")
     args = p.parse_args()
 
-    from bench_dispatch import _FLOOR_CTE
-
     import sqla_outbox
-    from sqla_outbox import Dispatch
 
     old = _baseline_wakeup(args.baseline)
     report = common.Report(
@@ -73,7 +70,7 @@ def main() -> None:
         installation = sqla_outbox.install(old_wake, common.settings(db, args.redis_url), catalog=cat)
         installation.waker.close()
         installation.waker = old.Waker(installation.settings)
-        sqla_outbox.install(no_wake, common.settings(db, None), catalog=cat)
+        sqla_outbox.install(no_wake, common.settings(db, None, wake_mode="none"), catalog=cat)
 
         def single(factory: Any, dispatch: bool = True, floor: bool = False) -> float:
             with engine.begin() as conn:
@@ -83,35 +80,9 @@ def main() -> None:
                 with factory() as session, session.begin():
                     session.add(_order(i))
                     if dispatch:
-                        session.add(
-                            Dispatch(common.TENANT_TASK, common.PAYLOAD, tenant_id=1 + i % common.TENANTS)
-                        )
+                        add_dispatch(session, i)
                     if floor:
-                        import json
-                        import uuid
-
-                        run_id = uuid.uuid4()
-                        session.connection().execute(
-                            _FLOOR_CTE,
-                            {
-                                "run_id": run_id,
-                                "task": common.TENANT_TASK,
-                                "tenant_id": 1 + i % common.TENANTS,
-                                "envelope": json.dumps(
-                                    {
-                                        "v": 1,
-                                        "run_id": str(run_id),
-                                        "task": common.TENANT_TASK,
-                                        "queue": "default",
-                                        "tenant_id": 1 + i % common.TENANTS,
-                                        "event": None,
-                                        "idempotency_key": None,
-                                        "payload": json.dumps(common.PAYLOAD, separators=(",", ":")),
-                                    },
-                                    separators=(",", ":"),
-                                ),
-                            },
-                        )
+                        floor_cte(session, i)
             return args.txns / (time.perf_counter() - started)
 
         sides = {

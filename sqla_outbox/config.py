@@ -125,7 +125,8 @@ class OutboxSettings:
     )
     wake_list_max: int = _setting(
         16,
-        "The wake list is trimmed to this many entries, so it cannot grow while no relay listens.",
+        "The wake list never holds more than this many entries, so it cannot grow while no relay "
+        "listens: a push that finds it longer trims it to one entry (the entries are all alike).",
     )
     max_message_bytes: int = _setting(
         262_144,

@@ -9,9 +9,10 @@ wake only means the relay finds the rows on its next sweep (every
 ``relay_sweep_interval_seconds``). So the application side never lets Valkey trouble
 reach the caller:
 
-* one ``LPUSH key 1`` per commit that wrote outbox rows (commits that finish while a push
-  is in flight share the next one); when the reply says the list grew past
-  ``wake_list_max`` (no relay is popping it), an ``LTRIM`` bounds it;
+* one ``LPUSH key 1`` per commit that wrote outbox rows, at most one per 10 ms during a
+  burst (commits that finish while a push is scheduled or in flight share the next one);
+  when the reply says the list grew past ``wake_list_max`` (no relay is popping it), an
+  ``LTRIM`` cuts it to one entry;
 * the LPUSH happens on the waker's own thread, not in the commit: ``commit()`` (and an
   ``AsyncSession``'s event loop) never waits for Valkey, whatever its state;
 * connect and command timeouts of ``wake_timeout_ms / 2`` each and no retries bound how
