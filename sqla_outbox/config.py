@@ -229,8 +229,10 @@ class OutboxSettings:
     )
     relay_lock_id: int = _setting(
         0x5351_4C41_4F42,
-        "PostgreSQL advisory lock key that elects the one active relay per database "
-        "(a base-10 integer in the environment).",
+        "PostgreSQL advisory lock key that elects the active relay (or, with `relay_partitions` "
+        "> 1, keys the partition locks) per database (a base-10 integer in the environment). "
+        "Every relay of one database must use the same value: relays with another one form a "
+        "separate set that the others neither see nor leave work to.",
     )
     relay_standby_poll_seconds: float = _setting(
         1.0,
@@ -684,6 +686,24 @@ VALKEY_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
 
 
 def _validate(s: OutboxSettings) -> None:
+    """Check every setting; a refused number is shown with its value.
+
+    Raises:
+        ConfigurationError: Naming the environment variable, what is wrong and, for a
+            number, the value given (other values may be secrets and are shown only where
+            the check says so, URLs with their password masked).
+    """
+    try:
+        _validate_fields(s)
+    except errors.ConfigurationError as exc:
+        field = (exc.option or "").removeprefix(ENV_PREFIX).lower()
+        value = getattr(s, field, None) if field else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and "got" not in exc.detail:
+            raise errors.ConfigurationError(f"{exc.detail}, got {value!r}", option=exc.option) from None
+        raise
+
+
+def _validate_fields(s: OutboxSettings) -> None:
     _check(bool(s.database_url), "database_url", "must not be empty")
     _check_database_url(s.database_url)
     if s.database_direct_url is not None:

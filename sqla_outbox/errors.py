@@ -35,12 +35,14 @@ class ConfigurationError(OutboxError):
 
     Attributes:
         option: The setting or environment variable at fault, when known.
+        detail: What is wrong, without the option's name.
     """
 
     code = "configuration"
 
     def __init__(self, message: str, *, option: str | None = None) -> None:
         self.option = option
+        self.detail = message
         super().__init__(f"{option}: {message}" if option else message)
 
 

@@ -146,8 +146,13 @@ def check_handlers(settings: OutboxSettings) -> CheckResult:
 
 
 def check_partitions(settings: OutboxSettings) -> CheckResult:
-    """This relay's ``relay_partitions`` against the relays running on the database: fails
-    when they run with another value (this relay would only wait, docs/scaling.md)."""
+    """This relay's ``relay_partitions`` against the relays running on the database.
+
+    Fails only when a relay that owns partitions runs with another value: this relay would
+    then wait until those stop (docs/scaling.md). Relays with another value that are
+    themselves waiting do not fail the check (they never take work from relays like this
+    one); the detail names them.
+    """
     import sqlalchemy as sa
 
     from sqla_outbox.relay.partitions import active_relays
@@ -164,17 +169,22 @@ def check_partitions(settings: OutboxSettings) -> CheckResult:
             "relay_partitions", False, f"could not read the running relays: {type(exc).__name__}"
         )
     mine = settings.relay_partitions
-    values = sorted({r.relay_partitions for r in running})
-    if values and values != [mine]:
-        shown = ", ".join(str(v) for v in values)
+    active = [r for r in running if r.partitions]
+    blocking = sorted({r.relay_partitions for r in active if r.relay_partitions != mine})
+    waiting_other = sorted({r.relay_partitions for r in running if not r.partitions} - {mine})
+    if blocking:
+        shown = ", ".join(str(v) for v in blocking)
         return CheckResult(
             "relay_partitions",
             False,
-            f"{mine} here, but relays running on this database use {shown}: this relay would wait "
-            "until they stop; set SQLA_OUTBOX_RELAY_PARTITIONS to the same value everywhere",
+            f"{mine} here, but the active relays on this database use {shown}: this relay would "
+            "wait until they stop; set SQLA_OUTBOX_RELAY_PARTITIONS to the same value everywhere",
         )
-    owning = sum(1 for r in running if r.partitions)
-    return CheckResult("relay_partitions", True, f"{mine}; {len(running)} relay(s) running, {owning} active")
+    detail = f"{mine}; {len(running)} relay(s) running, {len(active)} active"
+    if waiting_other:
+        shown = ", ".join(str(v) for v in waiting_other)
+        detail += f" (relays with relay_partitions {shown} are waiting: they take over only when these stop)"
+    return CheckResult("relay_partitions", True, detail)
 
 
 def check_schedules(settings: OutboxSettings) -> CheckResult:

@@ -205,18 +205,22 @@ def _render_relays(out: Any, report: Any) -> None:
     owning = sum(1 for r in report.relays if r.partitions)
     if len(values) > 1:
         title = styled(
-            "Relays disagree on relay_partitions (" + ", ".join(map(str, values)) + "): set one value", "red"
+            f"Relays disagree on relay_partitions ({', '.join(map(str, values))}): {owning} active, "
+            "the others wait; set one value",
+            "red",
         )
     elif values == [1]:
         title = "Relay (one active per database; the others stand by)"
     else:
         title = f"Relays ({owning} active on {values[0]} partitions)"
-    shown = table(title, ("relay", "pid", "client", "connected since", "relay_partitions", "partitions"))
+    shown = table(
+        title, ("relay", "backend pid", "client", "connected since", "relay_partitions", "partitions")
+    )
     for r in report.relays:
         if r.relay_partitions == 1:
             owned = "all" if r.partitions else "none (standby)"
         else:
-            owned = ",".join(str(p) for p in r.partitions) if r.partitions else "none (waiting for a share)"
+            owned = ",".join(str(p) for p in r.partitions) if r.partitions else "none (waiting)"
         shown.add_row(
             text(r.name),
             str(r.pid),

@@ -407,7 +407,7 @@ class Ownership:
             return
         self._warned_at = now
         values = sorted(set(others.values()))
-        logger.error(
+        logger.warning(  # a warning: it is also the normal state during a rolling change of P
             "relays of this database disagree on relay_partitions; set the same value everywhere",
             extra=log_extra(
                 action="relay.partitions_disagree",

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
-from sqla_outbox import Dispatch, flow
+from sqla_outbox import Dispatch, flow, health
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.relay import Relay
 from sqla_outbox.relay.partitions import Ownership, active_relays, read_layout
@@ -265,7 +265,7 @@ def test_a_relay_with_another_relay_partitions_waits_instead_of_splitting_the_wo
         ownership.join(connection)
     settle(members)
     odd = (Ownership(partitioned.replace(relay_partitions=4), "odd"), sessions())
-    with caplog.at_level("ERROR", logger="sqla_outbox.relay"):
+    with caplog.at_level("WARNING", logger="sqla_outbox.relay"):
         assert not odd[0].join(odd[1])
     assert any("disagree on relay_partitions" in r.getMessage() for r in caplog.records)
     settle([*members, odd])
@@ -277,6 +277,25 @@ def test_a_relay_with_another_relay_partitions_waits_instead_of_splitting_the_wo
     for _, connection in members:
         end_session(connection, odd[1])  # the relays on 8 go: the odd one takes over
     assert odd[0].rebalance(odd[1]) and odd[0].owned == {0, 1, 2, 3}
+
+
+def test_relay_check_fails_only_when_the_active_relays_use_another_value(
+    partitioned: OutboxSettings, sessions: Any
+) -> None:
+    """`relay --check` of a correctly configured relay passes beside a stray relay that waits
+    with another value, and fails for the stray value (it would wait)."""
+    members = [(Ownership(partitioned, name), sessions()) for name in "ab"]
+    for ownership, connection in members:
+        ownership.join(connection)
+    settle(members)
+    stray = (Ownership(partitioned.replace(relay_partitions=3), "stray"), sessions())
+    assert not stray[0].join(stray[1])
+    right = health.check_partitions(partitioned)
+    assert right.ok, right.detail
+    assert "relay_partitions 3 are waiting" in right.detail
+    wrong = health.check_partitions(partitioned.replace(relay_partitions=3))
+    assert not wrong.ok
+    assert f"the active relays on this database use {PARTITIONS}:" in wrong.detail
 
 
 def test_partitioned_relays_wait_while_a_relay_with_one_partition_is_active(

@@ -68,6 +68,29 @@ def test_bad_values_name_the_variable(env: dict[str, str], variable: str) -> Non
     assert variable in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("variable", "raw", "shown"),
+    [
+        ("SQLA_OUTBOX_RELAY_PARTITIONS", "0", "must be within 1..1024, got 0"),
+        ("SQLA_OUTBOX_WORKER_WAIT_SECONDS", "21", "got 21"),
+        ("SQLA_OUTBOX_MAX_MESSAGE_BYTES", "2000000", "got 2000000"),
+        ("SQLA_OUTBOX_WAKE_LIST_MAX", "0", "must be >= 1, got 0"),
+    ],
+)
+def test_a_refused_number_is_shown_with_its_value(variable: str, raw: str, shown: str) -> None:
+    with pytest.raises(errors.ConfigurationError) as caught:
+        OutboxSettings.from_env({variable: raw})
+    assert str(caught.value).startswith(f"{variable}: ")
+    assert shown in str(caught.value)
+    assert str(caught.value).count("got") == 1
+
+
+def test_a_refused_url_keeps_its_password_masked() -> None:
+    with pytest.raises(errors.ConfigurationError) as caught:
+        OutboxSettings.from_env({"SQLA_OUTBOX_VALKEY_URL": "http://user:s3cret@host:6379/0"})
+    assert "s3cret" not in str(caught.value)
+
+
 def test_env_names_list_prefix_first_then_aliases() -> None:
     assert env_names("valkey_url") == ("SQLA_OUTBOX_VALKEY_URL", "VALKEY_URL", "REDIS_URL")
 
