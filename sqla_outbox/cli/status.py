@@ -214,7 +214,8 @@ def _render_relays(out: Any, report: Any) -> None:
     else:
         title = f"Relays ({owning} active on {values[0]} partitions)"
     shown = table(
-        title, ("relay", "backend pid", "client", "connected since", "relay_partitions", "partitions")
+        title,
+        ("relay", "backend pid", "client", "connected since", "relay_partitions", "partitions", "due rows"),
     )
     for r in report.relays:
         if r.relay_partitions == 1:
@@ -228,8 +229,18 @@ def _render_relays(out: Any, report: Any) -> None:
             when(r.since) if r.since else "-",
             str(r.relay_partitions),
             owned,
+            _due(r),
         )
     out.print(shown)
+
+
+def _due(relay: Any) -> str:
+    """``due rows`` of a relay: how many, and since when the oldest has been due."""
+    if relay.due is None or not relay.partitions:
+        return "-"
+    if not relay.due:
+        return "0"
+    return f"{relay.due} (oldest {format_age(relay.oldest_due_age_seconds or 0.0)})"
 
 
 def _render_workers(out: Any, report: Any) -> None:

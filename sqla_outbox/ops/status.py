@@ -188,7 +188,7 @@ class StatusReport:
             locks, whatever this command's own setting); None when no relay runs or they
             disagree (each relay's value is in ``relays``).
         relays: The running relays: the active one, or with partitions every relay and
-            what it owns.
+            what it owns, with the due rows of its partitions.
     """
 
     database_time: dt.datetime
@@ -295,7 +295,7 @@ def queue_depths(
 
 
 def _relays(connection: Connection, settings: OutboxSettings) -> dict[str, Any]:
-    relays = partitions.active_relays(connection, settings)
+    relays = partitions.with_due_rows(connection, partitions.active_relays(connection, settings))
     values = {r.relay_partitions for r in relays}
     return {"relays": relays, "relay_partitions": values.pop() if len(values) == 1 else None}
 

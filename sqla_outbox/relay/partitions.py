@@ -64,10 +64,15 @@ MEMBER_BASE = 1 << 20
 """Membership locks use ``objid = MEMBER_BASE + P``, above every partition number."""
 
 
+PARTITION_OF = "abs(hashint8({key})::bigint) % CAST(:partition_count AS integer)"
+"""SQL of a row's partition, ``{key}`` being ``tenant_id`` (tenant rows) or ``id``
+(platform rows)."""
+
+
 def _filter(key: str) -> str:
     return (
         "(CAST(:partition_count AS integer) = 1 OR "
-        f"abs(hashint8({key})::bigint) % CAST(:partition_count AS integer) "
+        f"{PARTITION_OF.format(key=key)} "
         "= ANY(CAST(:partitions AS integer[])))"
     )
 
@@ -125,6 +130,11 @@ class ActiveRelay:
         relay_partitions: The ``relay_partitions`` it runs with.
         partitions: The partitions it owns (``[0]`` for the active relay with
             ``relay_partitions`` 1; empty for a relay waiting for a share).
+        due: Unsent, unparked rows already due in the partitions it owns (held and paused
+            rows included); None when not read.
+        oldest_due_age_seconds: How long the oldest of them has been due (seconds); None
+            when there is none or it was not read. A relay whose due rows keep ageing while
+            the others' do not is the one to look at (hung, or throttled by SQS).
     """
 
     pid: int
@@ -133,6 +143,8 @@ class ActiveRelay:
     since: dt.datetime | None
     relay_partitions: int
     partitions: list[int]
+    due: int | None = None
+    oldest_due_age_seconds: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +225,43 @@ def active_relays(connection: Connection, settings: OutboxSettings) -> list[Acti
     """Every running relay (each holds a membership lock): active ones with what they own,
     standbys and relays waiting for a share with no partitions."""
     return list(read_layout(connection, settings, shown=True).relays)
+
+
+_DUE_BY_PARTITION = sa.text(
+    f"""
+SELECT p, count(*) AS due, EXTRACT(EPOCH FROM clock_timestamp() - min(available_at))::float8 AS age
+FROM (
+    SELECT {PARTITION_OF.format(key="tenant_id")} AS p, available_at FROM outbox_messages
+    WHERE sent_at IS NULL AND parked_at IS NULL AND available_at <= clock_timestamp()
+    UNION ALL
+    SELECT {PARTITION_OF.format(key="id")}, available_at FROM platform_outbox_messages
+    WHERE sent_at IS NULL AND parked_at IS NULL AND available_at <= clock_timestamp()
+) AS due
+GROUP BY p
+"""
+)
+
+
+def with_due_rows(connection: Connection, relays: list[ActiveRelay]) -> list[ActiveRelay]:
+    """``relays`` with :attr:`ActiveRelay.due` and :attr:`ActiveRelay.oldest_due_age_seconds`
+    filled in: the due rows of the partitions each one owns, counted with its own
+    ``relay_partitions`` (one read of the unsent rows per value in use)."""
+    by_count: dict[int, dict[int, tuple[int, float]]] = {}
+    for count in sorted({r.relay_partitions for r in relays}):
+        rows = connection.execute(_DUE_BY_PARTITION, {"partition_count": count})
+        by_count[count] = {int(row.p): (int(row.due), float(row.age)) for row in rows}
+    filled = []
+    for relay in relays:
+        found = [by_count[relay.relay_partitions].get(p) for p in relay.partitions]
+        counts = [f for f in found if f is not None]
+        filled.append(
+            dataclasses.replace(
+                relay,
+                due=sum(c for c, _ in counts),
+                oldest_due_age_seconds=max((age for _, age in counts), default=None),
+            )
+        )
+    return filled
 
 
 def class_id(settings: OutboxSettings) -> int:

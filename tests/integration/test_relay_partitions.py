@@ -15,6 +15,7 @@ from sqlalchemy.pool import NullPool
 
 from sqla_outbox import Dispatch, flow, health
 from sqla_outbox.config import OutboxSettings
+from sqla_outbox.ops import status
 from sqla_outbox.relay import Relay
 from sqla_outbox.relay.partitions import Ownership, active_relays, read_layout
 from tests.support import outbox_rows, receive_all, wait_for
@@ -252,6 +253,42 @@ def test_status_shows_the_active_relay_and_its_standby_without_partitions(
     assert not standby.join(sessions())
     shown = active_relays(sessions(), settings)  # the standby is listed too, owning nothing
     assert [r.partitions for r in shown] == [[0], []] and shown[0].since is not None
+
+
+def test_status_counts_the_due_rows_of_each_relays_partitions(
+    app: sessionmaker[Session], partitioned: OutboxSettings, sessions: Any, engine: sa.Engine
+) -> None:
+    """The relay whose rows wait (hung, throttled) is the one whose due count grows."""
+    members = [(Ownership(partitioned, name), sessions()) for name in "ab"]
+    for ownership, connection in members:
+        ownership.join(connection)
+    settle(members)
+    with app() as session, session.begin():
+        items = [Dispatch("send_welcome", {"n": n}, tenant_id=1 + n % 12) for n in range(36)]
+        items.append(Dispatch("send_welcome", {}, tenant_id=1, delay=3600))  # not due
+        session.add_all(items)
+        session.add_all([Dispatch("audit", {"n": n}) for n in range(6)])
+    with engine.connect() as conn:
+        platform_ids = [
+            int(i) for i in conn.execute(sa.text("SELECT id FROM platform_outbox_messages")).scalars()
+        ]
+        platform_parts = [
+            int(
+                conn.execute(
+                    sa.text("SELECT abs(hashint8(CAST(:i AS bigint))::bigint) % :n"),
+                    {"i": i, "n": PARTITIONS},
+                ).scalar_one()
+            )
+            for i in platform_ids
+        ]
+    tenant_parts = [partition_of(engine, 1 + n % 12) for n in range(36)]
+    shown = status.collect(sessions(), partitioned, with_valkey=False).relays
+    for ownership, _ in members:
+        expected = sum(p in ownership.owned for p in tenant_parts + platform_parts)
+        relay = next(r for r in shown if sorted(r.partitions) == sorted(ownership.owned))
+        assert relay.due == expected
+        assert (relay.oldest_due_age_seconds is not None) == (expected > 0)
+    assert sum(r.due or 0 for r in shown) == 36 + 6
 
 
 def test_a_relay_with_another_relay_partitions_waits_instead_of_splitting_the_work(
