@@ -699,7 +699,8 @@ def _validate(s: OutboxSettings) -> None:
         field = (exc.option or "").removeprefix(ENV_PREFIX).lower()
         value = getattr(s, field, None) if field else None
         if isinstance(value, (int, float)) and not isinstance(value, bool) and "got" not in exc.detail:
-            raise errors.ConfigurationError(f"{exc.detail}, got {value!r}", option=exc.option) from None
+            shown = int(value) if isinstance(value, float) and value.is_integer() else value  # -1, not -1.0
+            raise errors.ConfigurationError(f"{exc.detail}, got {shown!r}", option=exc.option) from None
         raise
 
 

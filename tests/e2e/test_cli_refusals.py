@@ -197,12 +197,12 @@ def test_a_bad_flag_value_is_named_by_the_flag_and_an_env_value_by_the_variable(
         cwd=tmp_path,
         timeout=60,
     )
-    assert (flag.returncode, flag.stderr) == (2, "error: --succeeded-after-days: must be >= 0\n")
+    assert (flag.returncode, flag.stderr) == (2, "error: --succeeded-after-days: must be >= 0, got -1\n")
     env = {**os.environ, "SQLA_OUTBOX_PURGE_SUCCEEDED_AFTER_DAYS": "-1"}
     variable = subprocess.run(
         [str(SCRIPT), "purge", "--dry-run"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60
     )
     assert (variable.returncode, variable.stderr) == (
         2,
-        "error: SQLA_OUTBOX_PURGE_SUCCEEDED_AFTER_DAYS: must be >= 0\n",
+        "error: SQLA_OUTBOX_PURGE_SUCCEEDED_AFTER_DAYS: must be >= 0, got -1\n",
     )

@@ -75,6 +75,8 @@ def test_bad_values_name_the_variable(env: dict[str, str], variable: str) -> Non
         ("SQLA_OUTBOX_WORKER_WAIT_SECONDS", "21", "got 21"),
         ("SQLA_OUTBOX_MAX_MESSAGE_BYTES", "2000000", "got 2000000"),
         ("SQLA_OUTBOX_WAKE_LIST_MAX", "0", "must be >= 1, got 0"),
+        ("SQLA_OUTBOX_WAKE_RETRY_SECONDS", "-2.5", "must be >= 0, got -2.5"),
+        ("SQLA_OUTBOX_WAKE_RETRY_SECONDS", "-3", "must be >= 0, got -3"),
     ],
 )
 def test_a_refused_number_is_shown_with_its_value(variable: str, raw: str, shown: str) -> None:
