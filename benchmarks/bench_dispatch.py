@@ -58,6 +58,8 @@ import _common as common
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
+from sqla_outbox import Dispatch
+
 _TRUNCATE = "TRUNCATE bench_orders, outbox_messages, platform_outbox_messages, task_runs, task_run_trail"
 
 
@@ -124,8 +126,6 @@ def floor_cte(session: Session, i: int) -> None:
 
 def add_dispatch(session: Session, i: int) -> None:
     """What the dispatch sides add to the ORM row: one tenant ``Dispatch``."""
-    from sqla_outbox import Dispatch
-
     session.add(Dispatch(common.TENANT_TASK, common.PAYLOAD, tenant_id=1 + i % common.TENANTS))
 
 
@@ -140,7 +140,6 @@ def main() -> None:
     args = p.parse_args()
 
     import sqla_outbox
-    from sqla_outbox import Dispatch
 
     report = common.Report(
         "bench_dispatch",

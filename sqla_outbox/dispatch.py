@@ -138,11 +138,8 @@ class _Scheduled:
                 name_for_errors, f"tenant_id must be an integer (bigint), got {tenant_id!r}"
             )
         self.tenant_id = tenant_id
-        if delay is None and available_at is None:  # the usual dispatch: due at once
-            self.delay, self.available_at = _NO_DELAY, None
-        else:
-            self.delay = _coerce_delay(name_for_errors, delay, available_at)
-            self.available_at = _coerce_available_at(name_for_errors, available_at)
+        self.delay = _coerce_delay(name_for_errors, delay, available_at)
+        self.available_at = _coerce_available_at(name_for_errors, available_at)
         if idempotency_key is not None and (
             not isinstance(idempotency_key, str) or not 0 < len(idempotency_key) <= _MAX_KEY_LENGTH
         ):

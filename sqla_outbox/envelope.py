@@ -242,59 +242,42 @@ def encode_payload(task: str, payload: Any) -> str:
         PayloadNotSerializable: A value is not plain JSON; the message names its path
             (``$.items[2]``) and type.
     """
-    if not _is_plain_json(payload):
-        _check_plain_json(task, payload)  # raises, naming the path, or accepts subclasses
+    _check_plain_json(task, payload)
     try:
         return dumps(payload, allow_nan=False)
     except (ValueError, TypeError, RecursionError) as exc:  # pragma: no cover - walk covers
         raise errors.PayloadNotSerializable(task, f"payload is not JSON: {exc}") from exc
 
 
-def _is_plain_json(payload: Any) -> bool:
-    """True when ``payload`` is plain JSON made of the exact built-in types only (``dict``
-    with ``str`` keys, ``list``, ``tuple``, ``str``, ``int``, ``bool``, ``None``, finite
-    ``float``), nested at most ``_MAX_DEPTH`` levels: the common payload, checked without
-    building the paths an error message needs. False means "not sure": subclasses (an
-    ``IntEnum``, a ``str`` subclass) and every error go to :func:`_check_plain_json`."""
-    stack: list[tuple[Any, int]] = [(payload, 0)]
-    pop, push = stack.pop, stack.append
-    while stack:
-        value, depth = pop()
-        kind = type(value)
-        if depth > _MAX_DEPTH:
-            return False
-        if kind is str or kind is int or kind is bool or value is None:
-            continue
-        if kind is float:
-            if not math.isfinite(value):
-                return False
-        elif kind is dict:
-            for key, item in value.items():
-                if type(key) is not str:
-                    return False
-                push((item, depth + 1))
-        elif kind is list or kind is tuple:
-            for item in value:
-                push((item, depth + 1))
-        else:
-            return False
-    return True
+_Where = tuple[Any, str | int] | None
+"""Where a value sits in the payload: None for the payload itself, else ``(where of its
+container, key or index)``. Built as the walk goes (a tuple per value), formatted into
+``$.items[2]`` only for an error message."""
+
+
+def _path(where: _Where) -> str:
+    parts: list[str] = []
+    while where is not None:
+        where, key = where
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    return "$" + "".join(reversed(parts))
 
 
 def _check_plain_json(task: str, payload: Any) -> None:
-    stack: list[tuple[Any, str, int]] = [(payload, "$", 0)]
+    stack: list[tuple[Any, _Where, int]] = [(payload, None, 0)]
+    pop, push = stack.pop, stack.append
     while stack:
-        value, path, depth = stack.pop()
+        value, where, depth = pop()
         if depth > _MAX_DEPTH:
             raise errors.PayloadNotSerializable(
-                task, f"payload nests deeper than {_MAX_DEPTH} levels at {path}"
+                task, f"payload nests deeper than {_MAX_DEPTH} levels at {_path(where)}"
             )
         if value is None or isinstance(value, (bool, str, int)):
             continue
         if isinstance(value, float):
             if not math.isfinite(value):
                 raise errors.PayloadNotSerializable(
-                    task, f"payload is not JSON: {value!r} at {path} (JSON has no NaN/Infinity)"
+                    task, f"payload is not JSON: {value!r} at {_path(where)} (JSON has no NaN/Infinity)"
                 )
             continue
         if isinstance(value, dict):
@@ -302,14 +285,14 @@ def _check_plain_json(task: str, payload: Any) -> None:
                 if not isinstance(key, str):
                     raise errors.PayloadNotSerializable(
                         task,
-                        f"payload is not JSON: key {key!r} ({type(key).__name__}) at {path}; "
+                        f"payload is not JSON: key {key!r} ({type(key).__name__}) at {_path(where)}; "
                         "object keys must be strings",
                     )
-                stack.append((item, f"{path}.{key}", depth + 1))
+                push((item, (where, key), depth + 1))
             continue
         if isinstance(value, (list, tuple)):
             for index, item in enumerate(value):
-                stack.append((item, f"{path}[{index}]", depth + 1))
+                push((item, (where, index), depth + 1))
             continue
         hint = ""
         if hasattr(value, "isoformat"):
@@ -319,7 +302,7 @@ def _check_plain_json(task: str, payload: Any) -> None:
         elif type(value).__name__ == "Decimal":
             hint = "; pass str(value) to keep its precision"
         raise errors.PayloadNotSerializable(
-            task, f"payload is not JSON: {type(value).__name__} at {path}{hint}"
+            task, f"payload is not JSON: {type(value).__name__} at {_path(where)}{hint}"
         )
 
 

@@ -308,28 +308,31 @@ class Waker:
                 return
             self._busy.set()
             try:
-                # A burst: push, then every 10 ms while commits keep coming, without going
-                # back to the queue (the committing threads only count; no hand-off per
-                # window). A window without a commit ends the burst.
-                while True:
-                    pause = last_push + self._MIN_PUSH_INTERVAL_SECONDS - time.monotonic()
-                    if pause > 0:
-                        time.sleep(pause)
-                    with self._count_lock:
-                        count, self._waiting = self._waiting, 0
-                        if not count:  # from here on a commit schedules the next push
-                            self._scheduled = False
-                            break
-                    try:
-                        self._push(count)
-                    finally:
-                        last_push = time.monotonic()
-                    if self._closed:
-                        break
+                last_push = self._burst(last_push)
             finally:
                 self._busy.clear()
             if self._closed:
                 return
+
+    def _burst(self, last_push: float) -> float:
+        """Push, then every 10 ms while commits keep coming, without going back to the
+        queue (the committing threads only count: no hand-off per window). A window
+        without a commit ends the burst. Returns when the last push went out."""
+        while True:
+            pause = last_push + self._MIN_PUSH_INTERVAL_SECONDS - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            with self._count_lock:
+                count, self._waiting = self._waiting, 0
+                if not count:  # from here on a commit schedules the next push
+                    self._scheduled = False
+                    return last_push
+            try:
+                self._push(count)
+            finally:
+                last_push = time.monotonic()
+            if self._closed:
+                return last_push
 
     def _push(self, count: int) -> None:
         assert self._client is not None

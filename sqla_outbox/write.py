@@ -220,16 +220,9 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
         sqlalchemy.exc.DBAPIError: From the database, e.g. a tenant foreign key
             violation; the session's transaction is then rolled back by SQLAlchemy.
     """
-    only = prepared[0] if len(prepared) == 1 else None
-    runs: list[PreparedRun]
-    fanouts: list[PreparedFanout] = []
-    groups: list[PreparedGroup] = []
-    if isinstance(only, PreparedRun):  # the usual flush: one run
-        runs = [only]
-    else:
-        runs = [item for item in prepared if isinstance(item, PreparedRun)]
-        fanouts = [item for item in prepared if isinstance(item, PreparedFanout)]
-        groups = [item for item in prepared if isinstance(item, PreparedGroup)]
+    runs = [item for item in prepared if isinstance(item, PreparedRun)]
+    fanouts = [item for item in prepared if isinstance(item, PreparedFanout)]
+    groups = [item for item in prepared if isinstance(item, PreparedGroup)]
     if groups:
         _write_groups(connection, groups)
     unique: list[PreparedRun] = []
@@ -273,7 +266,7 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
             else:
                 run.deduplicated = True
                 missing.append(run)
-        pending = _resolve_existing(connection, missing) if missing else []
+        pending = _resolve_existing(connection, missing)
     for run, earlier in twins:
         run.resolved_run_id = earlier.resolved_run_id
         run.deduplicated = True
@@ -330,6 +323,8 @@ def _resolve_existing(connection: Connection, missing: list[PreparedRun]) -> lis
     A keyed run whose rival finished between the two statements is returned for another
     insert attempt (its key is free again).
     """
+    if not missing:  # every run was new: the usual flush
+        return []
     keyed = [run for run in missing if run.idempotency_key is not None]
     found: dict[_Key, uuid.UUID] = {}
     if keyed:

@@ -382,6 +382,7 @@ def test_partitioned_relays_share_the_outbox_and_take_over_a_killed_ones_partiti
         listed = support.run_cli(env, "status", "--json")
         assert listed.returncode == 0, listed.stderr
         assert sorted(sorted(r["partitions"]) for r in json.loads(listed.stdout)["relays"]) == owners()
+        assert all(r["due"] == 0 for r in json.loads(listed.stdout)["relays"])  # nothing dispatched yet
         with app() as session, session.begin():
             session.add_all([Dispatch("send_welcome", {"n": n}, tenant_id=1 + n % 20) for n in range(100)])
         wait_for(lambda: len(sent_run_ids(engine)) == 100, timeout=60)
@@ -397,6 +398,7 @@ def test_partitioned_relays_share_the_outbox_and_take_over_a_killed_ones_partiti
         wait_for(lambda: len(sent_run_ids(engine)) == 150, timeout=60)
         human = support.run_cli(env, "status")
         assert "Relays (1 active on 4 partitions)" in human.stdout and "0,1,2,3" in human.stdout
+        assert "due rows" in human.stdout
         found = run_ids_in(sqs, queues, expect=150)
         assert len(found) == 150 and len(set(found)) == 150
     finally:

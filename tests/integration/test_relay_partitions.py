@@ -10,10 +10,12 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from rich.console import Console
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
 from sqla_outbox import Dispatch, flow, health
+from sqla_outbox.cli import status as cli_status
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.ops import status
 from sqla_outbox.relay import Relay
@@ -311,6 +313,11 @@ def test_a_relay_with_another_relay_partitions_waits_instead_of_splitting_the_wo
     assert not single[0].join(single[1])  # the default value beside partitioned relays waits too
     shown = active_relays(sessions(), partitioned)
     assert sorted((r.relay_partitions, len(r.partitions)) for r in shown) == [(1, 0), (4, 0), (8, 4), (8, 4)]
+    out = Console(record=True, width=240)
+    cli_status._render_relays(out, status.collect(sessions(), partitioned, with_valkey=False))
+    printed = out.export_text()
+    assert "Relays disagree on relay_partitions (1, 4, 8): 2 active, the others wait" in printed
+    assert printed.count("none (waiting)") == 1 and printed.count("none (standby)") == 1
     for _, connection in members:
         end_session(connection, odd[1])  # the relays on 8 go: the odd one takes over
     assert odd[0].rebalance(odd[1]) and odd[0].owned == {0, 1, 2, 3}

@@ -10,6 +10,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -57,13 +58,34 @@ def test_wake_list_stays_bounded_while_no_relay_listens(
     assert sqla_outbox.installation_for(maker).waker.stats.sent == 40  # type: ignore[union-attr]
 
 
+def empty_wake_list(
+    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, valkey: redis.Redis, cleanup: list
+) -> tuple[sessionmaker[Session], Any]:
+    """A sessionmaker installed with ``settings``, its waker, and the wake list emptied."""
+    maker = installed(engine, settings, catalog)
+    cleanup.append(maker)
+    valkey.delete(settings.wake_key)
+    return maker, sqla_outbox.installation_for(maker).waker  # type: ignore[union-attr]
+
+
+def test_an_unpopped_wake_list_is_cut_to_one_entry_when_it_overflows(
+    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, valkey: redis.Redis, cleanup: list
+) -> None:
+    maker, waker = empty_wake_list(engine, settings.replace(wake_list_max=5), catalog, valkey, cleanup)
+    lengths = []
+    for _ in range(12):  # isolated commits: one push each
+        commit_one(maker)
+        assert waker.drain(2.0)
+        time.sleep(0.02)
+        lengths.append(int(valkey.llen(settings.wake_key)))
+    # the 6th push finds 6 > 5 entries and cuts the list to one; so does the 11th
+    assert lengths == [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
+
+
 def test_a_burst_of_commits_shares_pushes_and_an_isolated_commit_is_pushed_at_once(
     engine: sa.Engine, settings: OutboxSettings, catalog: Catalog, valkey: redis.Redis, cleanup: list
 ) -> None:
-    maker = installed(engine, settings.replace(wake_list_max=100_000), catalog)
-    cleanup.append(maker)
-    waker = sqla_outbox.installation_for(maker).waker  # type: ignore[union-attr]
-    valkey.delete(settings.wake_key)
+    maker, waker = empty_wake_list(engine, settings.replace(wake_list_max=100_000), catalog, valkey, cleanup)
     started = time.monotonic()
     for _ in range(60):
         commit_one(maker)
