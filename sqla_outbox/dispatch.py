@@ -185,8 +185,7 @@ class _Scheduled:
             trace=self.trace,
         )
         encoded = envelope_mod.encode_document(document)
-        attributes = envelope_mod.message_attributes(run_id, spec.name, self.tenant_id)
-        size = envelope_mod.message_size_bytes(encoded, attributes) + envelope_mod.SIGNATURE_SIZE_BYTES
+        size = envelope_mod.run_message_size_bytes(encoded, spec.name, self.tenant_id)
         if size > max_message_bytes:
             raise errors.EnvelopeTooLarge(spec.name, size_bytes=size, limit_bytes=max_message_bytes)
         return PreparedRun(

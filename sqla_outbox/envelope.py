@@ -117,7 +117,7 @@ class Envelope:
     def size_bytes(self) -> int:
         """Message size as SQS counts it: body plus attribute names, types and values
         (including the relay's signature attribute)."""
-        return message_size_bytes(self.encode(), self.message_attributes()) + SIGNATURE_SIZE_BYTES
+        return run_message_size_bytes(self.encode(), self.task, self.tenant_id)
 
 
 def document(
@@ -170,7 +170,7 @@ def dumps(value: Any, *, allow_nan: bool = True) -> str:
     same character, so ``json.loads`` returns the same value.
     """
     text = (_ENCODER if allow_nan else _STRICT_ENCODER).encode(value)
-    if _NOT_CARRIED.search(text) is None:
+    if text.isascii() or _NOT_CARRIED.search(text) is None:  # the characters are all non-ASCII
         return text
     return _NOT_CARRIED.sub(_json_escape, text)
 
@@ -210,16 +210,42 @@ def message_attributes(
     return attributes
 
 
+def _utf8_len(text: str) -> int:
+    """Length of ``text`` in UTF-8 bytes (ASCII text: its length, without encoding it)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
 def message_size_bytes(body: str, attributes: Mapping[str, Mapping[str, str]]) -> int:
     """Size of an SQS message in bytes: UTF-8 body plus, per attribute, name + type + value.
 
     This is how SQS counts against its maximum message size (SQS Developer Guide,
     "Amazon SQS message attributes": name, data type and value all count).
     """
-    size = len(body.encode("utf-8"))
+    size = _utf8_len(body)
     for name, attribute in attributes.items():
-        size += len(name.encode("utf-8")) + len(attribute["DataType"].encode("utf-8"))
-        size += len(attribute.get("StringValue", "").encode("utf-8"))
+        size += (
+            _utf8_len(name) + _utf8_len(attribute["DataType"]) + _utf8_len(attribute.get("StringValue", ""))
+        )
+    return size
+
+
+_RUN_ID_ATTRIBUTE_BYTES = len("run_id") + len("String") + len(str(uuid.UUID(int=0)))
+_TASK_ATTRIBUTE_BYTES = len("task") + len("String")
+_TENANT_ATTRIBUTE_BYTES = len("tenant_id") + len("Number")
+
+
+def run_message_size_bytes(body: str, task: str, tenant_id: int | None) -> int:
+    """Size in bytes SQS counts for a run's message, the relay's signature included.
+
+    The same as ``message_size_bytes(body, message_attributes(run_id, task, tenant_id)) +
+    SIGNATURE_SIZE_BYTES``, computed without building the attributes (every dispatch
+    measures its message: the limit is checked at ``session.add``, not at the relay).
+    """
+    size = _utf8_len(body) + _RUN_ID_ATTRIBUTE_BYTES + SIGNATURE_SIZE_BYTES
+    if task:
+        size += _TASK_ATTRIBUTE_BYTES + _utf8_len(charsets.for_sqs(task))
+    if tenant_id is not None:
+        size += _TENANT_ATTRIBUTE_BYTES + len(str(tenant_id))
     return size
 
 
@@ -263,7 +289,16 @@ def _path(where: _Where) -> str:
     return "$" + "".join(reversed(parts))
 
 
+_FLAT_VALUE_TYPES = frozenset({str, int, bool, type(None)})
+"""Value types (exactly these, not subclasses) of a payload that needs no walk when it is a
+flat object: the common payload, checked in one pass."""
+
+
 def _check_plain_json(task: str, payload: Any) -> None:
+    if type(payload) is dict and all(
+        type(key) is str and type(value) in _FLAT_VALUE_TYPES for key, value in payload.items()
+    ):
+        return
     stack: list[tuple[Any, _Where, int]] = [(payload, None, 0)]
     pop, push = stack.pop, stack.append
     while stack:

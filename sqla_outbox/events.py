@@ -23,7 +23,9 @@ What each hook does, and what it may do:
     to this flush's ``after_flush`` (or the commit), since the flush plan no longer passes
     through ``before_flush``.
 ``before_flush``
-    Takes the pending objects out of the session (they are never INSERTed as themselves).
+    Takes the pending objects out of the session (they are never INSERTed as themselves;
+    ``make_transient``, which is ``session.expunge`` without the cascade walk: the mapped
+    classes have no relationships).
     When the flush holds nothing else, writes their rows at once; otherwise leaves them
     for ``after_flush``, so rows the same flush inserts (a new tenant the outbox row
     references) exist first.
@@ -59,7 +61,7 @@ from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy import inspect as _instance_state
-from sqlalchemy.orm import Session, scoped_session, sessionmaker
+from sqlalchemy.orm import Session, make_transient, scoped_session, sessionmaker
 from sqlalchemy.orm.session import SessionTransaction
 
 from sqla_outbox import errors
@@ -155,11 +157,11 @@ class Installation:
         # itself by this flush, whose plan no longer passes through _before_flush: take it
         # out now; after_flush (or before_commit, or the next flush) writes its rows.
         if isinstance(instance, SCHEDULED) and getattr(session, "_flushing", False):
-            session.expunge(instance)
+            make_transient(instance)
             assert instance._prepared is not None
             _state(session).deferred.extend(instance._prepared)
         elif isinstance(instance, Control) and getattr(session, "_flushing", False):
-            session.expunge(instance)
+            make_transient(instance)
             _state(session).controls.append(instance)
 
     def _before_flush(self, session: Session, flush_context: Any, instances: Any) -> None:
@@ -170,7 +172,7 @@ class Installation:
             return
         state = _state(session)
         for obj in _in_add_order(session, scheduled):
-            session.expunge(obj)
+            make_transient(obj)
             if isinstance(obj, Control):
                 state.controls.append(obj)
                 continue
@@ -182,13 +184,12 @@ class Installation:
             return  # after_flush writes them, after this flush's own INSERTs
         self._write_deferred(session, state)
 
-    def _after_flush(self, session: Session, flush_context: Any) -> None:
+    def _after_flush(self, session: Session, flush_context: Any = None) -> None:
         state = session.info.get(_STATE_KEY)
         if state is not None and (state.deferred or state.controls):
             self._write_deferred(session, state)
 
-    def _before_commit(self, session: Session) -> None:
-        self._after_flush(session, None)
+    _before_commit = _after_flush  # the safety net: rows whose flush ended early
 
     def _after_commit(self, session: Session) -> None:
         state = session.info.get(_STATE_KEY)

@@ -37,11 +37,13 @@ def current_carrier() -> dict[str, str]:
     Empty at once when there is no valid current span context (no span started and no
     remote context attached): the W3C propagator injects nothing then, and the carrier
     keeps only its ``traceparent``/``tracestate``, so this skips the propagators' work for
-    the common untraced dispatch without changing what is carried.
+    the common untraced dispatch without changing what is carried. The cheapest such
+    case, an empty OpenTelemetry context (nothing attached at all), is checked first.
     """
-    if propagate is None or trace is None:
+    if propagate is None or trace is None or otel_context is None:
         return {}
-    if not trace.get_current_span().get_span_context().is_valid:
+    context = otel_context.get_current()
+    if not context or not trace.get_current_span(context).get_span_context().is_valid:
         return {}
     carrier: dict[str, str] = {}
     propagate.inject(carrier)

@@ -40,7 +40,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import BindParameter
 
-from sqla_outbox import errors, webhook_fanout
+from sqla_outbox import driver_sql, errors, webhook_fanout
 from sqla_outbox.dispatch import Prepared, PreparedGroup, PreparedRun
 from sqla_outbox.types import UNFINISHED_STATUSES, WAKE_CHANNEL
 from sqla_outbox.webhook_fanout import PreparedFanout
@@ -220,9 +220,16 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
         sqlalchemy.exc.DBAPIError: From the database, e.g. a tenant foreign key
             violation; the session's transaction is then rolled back by SQLAlchemy.
     """
-    runs = [item for item in prepared if isinstance(item, PreparedRun)]
-    fanouts = [item for item in prepared if isinstance(item, PreparedFanout)]
-    groups = [item for item in prepared if isinstance(item, PreparedGroup)]
+    runs: list[PreparedRun] = []
+    fanouts: list[PreparedFanout] = []
+    groups: list[PreparedGroup] = []
+    for item in prepared:
+        if isinstance(item, PreparedRun):
+            runs.append(item)
+        elif isinstance(item, PreparedFanout):
+            fanouts.append(item)
+        else:
+            groups.append(item)
     if groups:
         _write_groups(connection, groups)
     unique: list[PreparedRun] = []
@@ -271,7 +278,9 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
         run.resolved_run_id = earlier.resolved_run_id
         run.deduplicated = True
     for group in groups:
-        connection.execute(_JOIN_GROUP, {"group_id": group.group_id, "run_ids": group.member_run_ids})
+        driver_sql.execute(
+            connection, _JOIN_GROUP, {"group_id": group.group_id, "run_ids": group.member_run_ids}
+        )
     for item in prepared:
         item.source.record_resolution(item)
     return written
@@ -284,7 +293,9 @@ def _execute(
     (the last two set for webhook deliveries only)."""
     if fanouts:
         params = {**_params(runs), **webhook_fanout.params(fanouts, first_ord=len(runs))}
-        return [(r[0], r[1], r[2]) for r in connection.execute(_INSERT_WITH_WEBHOOKS[notify], params)]
+        return [
+            (r[0], r[1], r[2]) for r in driver_sql.execute(connection, _INSERT_WITH_WEBHOOKS[notify], params)
+        ]
     if len(runs) == 1:
         run = runs[0]
         table = "platform_outbox_messages" if run.tenant_id is None else "outbox_messages"
@@ -303,11 +314,11 @@ def _execute(
             one.update(
                 event=run.event, key=run.idempotency_key, delay=run.delay, available_at=run.available_at
             )
-        result = connection.execute(_INSERT_ONE[table, notify, plain], one)
+        result = driver_sql.execute(connection, _INSERT_ONE[table, notify, plain], one)
         if not notify:
             return [(run.run_id, None, None)] if result.rowcount == 1 else []
     else:
-        result = connection.execute(_INSERT[notify], _params(runs))
+        result = driver_sql.execute(connection, _INSERT[notify], _params(runs))
     return [(r[0], None, None) for r in result]
 
 
@@ -328,7 +339,8 @@ def _resolve_existing(connection: Connection, missing: list[PreparedRun]) -> lis
     keyed = [run for run in missing if run.idempotency_key is not None]
     found: dict[_Key, uuid.UUID] = {}
     if keyed:
-        rows = connection.execute(
+        rows = driver_sql.execute(
+            connection,
             _FIND_BY_KEY,
             {
                 "keys": sorted({run.idempotency_key for run in keyed if run.idempotency_key}),
@@ -339,7 +351,9 @@ def _resolve_existing(connection: Connection, missing: list[PreparedRun]) -> lis
     by_id = [run.run_id for run in missing if _key(run) is None or _key(run) not in found]
     existing = {}
     if by_id:  # lost on the run_id itself: a caller-chosen run_id that already exists
-        existing = {row.run_id: row for row in connection.execute(_FIND_BY_ID, {"run_ids": by_id})}
+        existing = {
+            row.run_id: row for row in driver_sql.execute(connection, _FIND_BY_ID, {"run_ids": by_id})
+        }
     retry = []
     for run in missing:
         key = _key(run)
@@ -452,7 +466,8 @@ the group trigger, ``AFTER UPDATE OF status``, does not fire)."""
 
 def _write_groups(connection: Connection, groups: Sequence[PreparedGroup]) -> None:
     """Insert the ``task_groups`` rows (before their members exist; no foreign key ties them)."""
-    connection.execute(
+    driver_sql.execute(
+        connection,
         _INSERT_GROUPS,
         {
             "ids": [g.group_id for g in groups],

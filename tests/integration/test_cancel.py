@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,14 +16,6 @@ from sqla_outbox import Cancel, ControlOutcome, Dispatch, Reschedule, errors
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from tests.support import outbox_rows, run_row, trail
-
-
-@pytest.fixture
-def factory(engine: sa.Engine, settings: OutboxSettings, catalog: Catalog) -> Iterator[sessionmaker[Session]]:
-    maker = sessionmaker(engine)
-    sqla_outbox.install(maker, settings, catalog=catalog)
-    yield maker
-    sqla_outbox.uninstall(maker)
 
 
 def dispatch(factory: sessionmaker[Session], task: str = "send_welcome", **options: object) -> uuid.UUID:

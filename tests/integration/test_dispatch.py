@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -17,14 +16,6 @@ from sqla_outbox import Dispatch, Publish, errors
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from tests.support import count, drain_wakes, outbox_rows, runs
-
-
-@pytest.fixture
-def factory(engine: sa.Engine, settings: OutboxSettings, catalog: Catalog) -> Iterator[sessionmaker[Session]]:
-    maker = sessionmaker(engine)
-    sqla_outbox.install(maker, settings, catalog=catalog)
-    yield maker
-    sqla_outbox.uninstall(maker)
 
 
 def wakes(valkey: redis.Redis, settings: OutboxSettings) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -28,14 +27,6 @@ class Tenant(AppBase):
     __tablename__ = "tenants"
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str | None]
-
-
-@pytest.fixture
-def factory(engine: sa.Engine, settings: OutboxSettings, catalog: Catalog) -> Iterator[sessionmaker[Session]]:
-    maker = sessionmaker(engine)
-    sqla_outbox.install(maker, settings, catalog=catalog)
-    yield maker
-    sqla_outbox.uninstall(maker)
 
 
 def wakes(valkey: redis.Redis, settings: OutboxSettings) -> int:

@@ -71,6 +71,8 @@ def test_plain_json_payloads_encode_to_text_that_parses_back(payload: object) ->
         ({"id": uuid.uuid4()}, "UUID at $.id; pass str(value)"),
         ({"amount": decimal.Decimal("1.10")}, "Decimal at $.amount"),
         ({1: "int key"}, "key 1 (int) at $"),
+        ({"ok": 1, True: "bool key"}, "key True (bool) at $"),  # flat, but one key is not a str
+        ({"ok": "x", "n": None, "ratio": float("nan")}, "nan at $.ratio"),  # flat, with a float
         ({"obj": object()}, "object at $.obj"),
     ],
 )
@@ -122,6 +124,31 @@ def test_size_counts_body_and_attribute_names_types_and_values() -> None:
     assert env.size_bytes() == expected + signature
     assert set(attrs) == {"run_id", "task", "tenant_id"}
     assert "tenant_id" not in make(tenant_id=None).message_attributes()
+
+
+@pytest.mark.parametrize(
+    ("task", "tenant_id", "payload_json"),
+    [
+        ("send_welcome", 3, '{"user_id":7}'),
+        ("send_welcome", None, '{"note":"caf\u00e9 \u2603 \U0001f600"}'),  # 2-, 3- and 4-byte UTF-8
+        ("tab\there", -9_223_372_036_854_775_808, "{}"),  # a task value SQS needs escaped
+        ("", 0, '"\u00e9"'),  # no task attribute at all
+    ],
+)
+def test_the_run_size_arithmetic_equals_the_attributes_it_stands_for(
+    task: str, tenant_id: int | None, payload_json: str
+) -> None:
+    """The dispatch path measures a run without building its SQS attributes; the figure
+    must be the one the relay's message (body + those attributes + signature) has."""
+    env = make(task=task, tenant_id=tenant_id, payload_json=payload_json)
+    body = env.encode()
+    attributes = envelope.message_attributes(env.run_id, task, tenant_id)
+    full = envelope.message_size_bytes(body, attributes) + envelope.SIGNATURE_SIZE_BYTES
+    assert envelope.run_message_size_bytes(body, task, tenant_id) == full
+    by_hand = len(body.encode()) + len("signature") + len("String") + 64
+    for name, attribute in attributes.items():
+        by_hand += len(name.encode()) + len(attribute["DataType"]) + len(attribute["StringValue"].encode())
+    assert full == by_hand
 
 
 @pytest.mark.parametrize(
