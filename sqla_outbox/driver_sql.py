@@ -6,24 +6,29 @@ dispatching flush makes (one statement per flush, on the application's own conne
 that is about a quarter of the statement's client-side instructions (measured with
 callgrind: 235,000 against 166,000 per statement; ``docs/benchmarks.md``, issue 17 part 4,
 fourth pass). :func:`execute` compiles each statement once per dialect and runs it with
-``Connection.exec_driver_sql``, which keeps what matters to the application: the same
-connection and transaction, the engine's events (``before_cursor_execute``, so query
-logging and tracing still see the statement), ``echo`` logging, and SQLAlchemy's error
-translation (a foreign-key violation is still ``sqlalchemy.exc.IntegrityError``).
+``Connection.exec_driver_sql``, which keeps the same connection and transaction, the
+cursor-level events (``before_cursor_execute``, ``after_cursor_execute``, ``handle_error``),
+``echo`` logging, and SQLAlchemy's error translation (a foreign-key violation is still
+``sqlalchemy.exc.IntegrityError`` with the statement attached).
 
-It does so only where the two are exactly equivalent, and otherwise runs
-``Connection.execute`` as before:
+It does so only where the two are equivalent, and otherwise runs ``Connection.execute``:
 
-* the dialect takes named parameters in a dict (paramstyle ``pyformat`` or ``named``:
-  psycopg 3, psycopg2, pg8000), so the parameters pass through unchanged;
-* no bind parameter of the statement has a bind processor on that dialect (psycopg 3
-  adapts ``uuid.UUID``, ``int``, ``str`` and ``datetime`` itself; psycopg2's ``UUID`` type
-  converts to ``str`` in a processor, so psycopg2 keeps the ordinary path);
-* the compiled statement has no expanding or literal-rendered parameters and no escaped
-  parameter names (none of the library's statements do; the check keeps it so).
+* the connection has no ``before_execute`` or ``after_execute`` listener (SQLAlchemy does
+  not fire those two for ``exec_driver_sql``; an application that guards or counts
+  statements with them keeps seeing the write);
+* the dialect takes named parameters in a dict (paramstyle ``pyformat`` or ``named``), so
+  the parameters pass through unchanged: psycopg 3 and psycopg2 (whose ``UUID`` is adapted
+  natively: SQLAlchemy registers the adapter, so no bind processor is involved); asyncpg
+  (``$1``) and pg8000 (``format``) always take ``Connection.execute``;
+* no bind parameter of the statement has a bind processor on that dialect, a value or
+  callable of its own, or is expanding, literal-rendered or post-compiled, and no name
+  needed escaping (each would need SQLAlchemy's parameter handling). In ``write.py`` that
+  leaves the single-run and multi-run INSERTs (``ARRAY`` parameters, as in the webhook
+  variant and the follow-up lookups, have processors).
 
-asyncpg's paramstyle is positional (``$1``), so asyncpg sessions always take the ordinary
-path.
+What a listener can tell apart: ``context.compiled`` is None in ``before_cursor_execute``
+and ``handle_error`` (as for any ``exec_driver_sql`` call), and ``echo`` labels the
+parameters ``[raw sql]`` instead of ``[cached since ...]``.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ def driver_sql(statement: TextClause, dialect: Dialect) -> str | None:
         compiled = statement.compile(dialect=dialect)
         plain_binds = not any(
             bind.type.dialect_impl(dialect).bind_processor(dialect) is not None
+            or bind.value is not None
+            or bind.callable is not None
             for bind in compiled.binds.values()
         )
         if (
@@ -77,13 +84,19 @@ def execute(
 ) -> CursorResult[*tuple[Any, ...]]:
     """Run ``statement`` with ``parameters`` (one row of named values) on ``connection``.
 
-    The result is what ``connection.execute(statement, parameters)`` returns: rows by
-    position and by column name, and ``rowcount``.
+    ``parameters`` must name every bind parameter of the statement (on the driver path a
+    missing one is the driver's error, ``sqlalchemy.exc.ProgrammingError``, where
+    ``Connection.execute`` raises ``StatementError``).
+
+    Returns:
+        What ``connection.execute(statement, parameters)`` returns: rows by position and by
+        column name, and ``rowcount``.
 
     Raises:
         sqlalchemy.exc.DBAPIError: From the database, as ``Connection.execute`` raises it.
     """
-    sql = driver_sql(statement, connection.dialect)
+    events = connection.dispatch
+    sql = None if events.before_execute or events.after_execute else driver_sql(statement, connection.dialect)
     if sql is None:
         return connection.execute(statement, parameters)
     return connection.exec_driver_sql(sql, parameters)

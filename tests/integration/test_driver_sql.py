@@ -116,21 +116,61 @@ class _Upper(sa.types.TypeDecorator[str]):
         return None if value is None else value.upper()
 
 
+def test_with_a_before_execute_listener_the_write_takes_the_ordinary_path(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """SQLAlchemy fires ``before_execute``/``after_execute`` only for ``Connection.execute``:
+    an application that guards or counts statements with them must still see the write."""
+    seen: list[str] = []
+
+    def before(conn: Any, clauseelement: Any, multiparams: Any, params: Any, options: Any) -> None:
+        seen.append(str(clauseelement))
+
+    sa.event.listen(engine, "before_execute", before)
+    try:
+        cursor_level = executed(
+            engine,
+            lambda: _dispatch_one(factory),
+        )
+    finally:
+        sa.event.remove(engine, "before_execute", before)
+    assert [s for s in seen if "INSERT INTO task_runs" in s]
+    [(_, compiled)] = [s for s in cursor_level if "INSERT INTO task_runs" in s[0]]
+    assert compiled is not None
+    assert count(engine, "task_runs") == 1
+
+
+def _dispatch_one(factory: sessionmaker[Session]) -> None:
+    with factory() as session, session.begin():
+        session.add(Dispatch("send_welcome", {"n": 1}, tenant_id=3))
+
+
 @pytest.mark.parametrize(
-    ("statement", "why"),
+    ("statement", "parameters", "expected"),
     [
-        (sa.text("SELECT :v").bindparams(sa.bindparam("v", type_=_Upper())), "a bind processor"),
-        (
+        pytest.param(
+            sa.text("SELECT :v").bindparams(sa.bindparam("v", type_=_Upper())),
+            {"v": "a"},
+            [("A",)],
+            id="a bind processor",
+        ),
+        pytest.param(
             sa.text("SELECT 1 WHERE 'b' IN :v").bindparams(sa.bindparam("v", expanding=True)),
-            "an expanding parameter",
+            {"v": ["a", "b"]},
+            [(1,)],
+            id="an expanding parameter",
+        ),
+        pytest.param(
+            sa.text("SELECT CAST(:v AS text), CAST(:w AS text)").bindparams(sa.bindparam("w", value="own")),
+            {"v": "given"},
+            [("given", "own")],
+            id="a value of its own",
         ),
     ],
 )
 def test_statements_whose_parameters_need_sqlalchemy_keep_the_ordinary_path(
-    engine: sa.Engine, statement: Any, why: str
+    engine: sa.Engine, statement: Any, parameters: dict[str, Any], expected: list[tuple[Any, ...]]
 ) -> None:
-    assert driver_sql.driver_sql(statement, engine.dialect) is None, why
+    assert driver_sql.driver_sql(statement, engine.dialect) is None
     with engine.connect() as conn:
-        value = ["a", "b"] if "expanding" in why else "a"
-        rows = driver_sql.execute(conn, statement, {"v": value}).all()
-    assert rows == ([(1,)] if "expanding" in why else [("A",)])
+        assert driver_sql.execute(conn, statement, parameters).all() == expected
