@@ -95,8 +95,21 @@ def execute(
     Raises:
         sqlalchemy.exc.DBAPIError: From the database, as ``Connection.execute`` raises it.
     """
-    events = connection.dispatch
-    sql = None if events.before_execute or events.after_execute else driver_sql(statement, connection.dialect)
+    sql = None if _execute_listeners(connection) else driver_sql(statement, connection.dialect)
     if sql is None:
         return connection.execute(statement, parameters)
     return connection.exec_driver_sql(sql, parameters)
+
+
+def _execute_listeners(connection: Connection) -> bool:
+    """Whether a ``before_execute`` or ``after_execute`` listener would fire on ``connection``.
+
+    Asked the way SQLAlchemy asks before it fires a connection event (``_has_events`` of the
+    connection or its engine): the connection's own dispatch is made per connection, and
+    looking into it costs more than the statement saves, so it is read only when some
+    listener exists.
+    """
+    if not (connection._has_events or connection.engine._has_events):
+        return False
+    events = connection.dispatch
+    return bool(events.before_execute or events.after_execute)

@@ -63,6 +63,7 @@ from sqlalchemy import event
 from sqlalchemy import inspect as _instance_state
 from sqlalchemy.orm import Session, make_transient, scoped_session, sessionmaker
 from sqlalchemy.orm.session import SessionTransaction
+from sqlalchemy.orm.state import InstanceState
 
 from sqla_outbox import errors
 from sqla_outbox.catalog import Catalog
@@ -91,6 +92,10 @@ _HOOKS = (
     "after_transaction_end",
     "after_soft_rollback",
 )
+_HOOK_OPTIONS: dict[str, dict[str, Any]] = {"before_attach": {"raw": True}, "after_attach": {"raw": True}}
+"""The attach hooks fire for every object a session adds, the application's own included:
+``raw=True`` passes the ``InstanceState`` as it is, without SQLAlchemy's per-object wrapper
+that looks up the instance (the hooks look at ``state.class_`` first)."""
 
 
 @dataclasses.dataclass
@@ -128,7 +133,7 @@ class Installation:
 
     def attach(self) -> None:
         for name in _HOOKS:
-            event.listen(self.target, name, getattr(self, "_" + name))
+            event.listen(self.target, name, getattr(self, "_" + name), **_HOOK_OPTIONS.get(name, {}))
 
     def detach(self) -> None:
         for name in _HOOKS:
@@ -137,7 +142,10 @@ class Installation:
         self.waker.close()
 
     # --- hooks ---------------------------------------------------------------------------
-    def _before_attach(self, session: Session, instance: object) -> None:
+    def _before_attach(self, session: Session, state: InstanceState[Any]) -> None:
+        if not issubclass(state.class_, _TAKEN):  # the application's own objects
+            return
+        instance = state.obj()
         if isinstance(instance, SCHEDULED):
             if "_prepared" not in vars(instance):  # made by the ORM (merge), not by __init__
                 kind = type(instance).__name__
@@ -151,16 +159,19 @@ class Installation:
                 raise TypeError(f"session.merge() of a {kind} is not supported: add it with session.add()")
             instance.check(self.catalog)
 
-    def _after_attach(self, session: Session, instance: object) -> None:
+    def _after_attach(self, session: Session, state: InstanceState[Any]) -> None:
         # A Dispatch added while the session flushes (the application's own before_flush
         # listener, an audit pattern, or a mapper event) would otherwise be INSERTed as
         # itself by this flush, whose plan no longer passes through _before_flush: take it
         # out now; after_flush (or before_commit, or the next flush) writes its rows.
-        if isinstance(instance, SCHEDULED) and getattr(session, "_flushing", False):
+        if not issubclass(state.class_, _TAKEN) or not getattr(session, "_flushing", False):
+            return
+        instance = state.obj()
+        if isinstance(instance, SCHEDULED):
             make_transient(instance)
             assert instance._prepared is not None
             _state(session).deferred.extend(instance._prepared)
-        elif isinstance(instance, Control) and getattr(session, "_flushing", False):
+        elif isinstance(instance, Control):
             make_transient(instance)
             _state(session).controls.append(instance)
 
@@ -177,7 +188,7 @@ class Installation:
                 state.controls.append(obj)
                 continue
             if obj._prepared is None:  # added before the listeners existed
-                self._before_attach(session, obj)
+                self._before_attach(session, _instance_state(obj))
             assert obj._prepared is not None
             state.deferred.extend(obj._prepared)
         if len(new) > len(scheduled) or session.deleted:

@@ -116,33 +116,34 @@ class _Upper(sa.types.TypeDecorator[str]):
         return None if value is None else value.upper()
 
 
-def test_with_a_before_execute_listener_the_write_takes_the_ordinary_path(
-    factory: sessionmaker[Session], engine: sa.Engine
+@pytest.mark.parametrize("on", ["engine", "connection"])
+@pytest.mark.parametrize("event_name", ["before_execute", "after_execute"])
+def test_with_an_execute_listener_the_write_takes_the_ordinary_path(
+    factory: sessionmaker[Session], engine: sa.Engine, on: str, event_name: str
 ) -> None:
     """SQLAlchemy fires ``before_execute``/``after_execute`` only for ``Connection.execute``:
-    an application that guards or counts statements with them must still see the write."""
+    an application that guards or counts statements with them must still see the write,
+    whether it listens on the engine or on the one connection its session is bound to."""
     seen: list[str] = []
 
-    def before(conn: Any, clauseelement: Any, multiparams: Any, params: Any, options: Any) -> None:
+    def listener(conn: Any, clauseelement: Any, *args: Any) -> None:
         seen.append(str(clauseelement))
 
-    sa.event.listen(engine, "before_execute", before)
-    try:
-        cursor_level = executed(
-            engine,
-            lambda: _dispatch_one(factory),
-        )
-    finally:
-        sa.event.remove(engine, "before_execute", before)
+    def work() -> None:
+        with engine.connect() as connection:
+            target = engine if on == "engine" else connection
+            sa.event.listen(target, event_name, listener)
+            try:
+                with factory(bind=connection) as session, session.begin():
+                    session.add(Dispatch("send_welcome", {"n": 1}, tenant_id=3))
+            finally:
+                sa.event.remove(target, event_name, listener)
+
+    cursor_level = executed(engine, work)
     assert [s for s in seen if "INSERT INTO task_runs" in s]
     [(_, compiled)] = [s for s in cursor_level if "INSERT INTO task_runs" in s[0]]
     assert compiled is not None
     assert count(engine, "task_runs") == 1
-
-
-def _dispatch_one(factory: sessionmaker[Session]) -> None:
-    with factory() as session, session.begin():
-        session.add(Dispatch("send_welcome", {"n": 1}, tenant_id=3))
 
 
 @pytest.mark.parametrize(
