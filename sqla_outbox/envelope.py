@@ -170,7 +170,7 @@ def dumps(value: Any, *, allow_nan: bool = True) -> str:
     same character, so ``json.loads`` returns the same value.
     """
     text = (_ENCODER if allow_nan else _STRICT_ENCODER).encode(value)
-    if text.isascii() or _NOT_CARRIED.search(text) is None:  # the characters are all non-ASCII
+    if text.isascii() or _NOT_CARRIED.search(text) is None:  # what it refuses is never ASCII
         return text
     return _NOT_CARRIED.sub(_json_escape, text)
 

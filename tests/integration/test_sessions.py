@@ -223,6 +223,29 @@ def test_scoped_session(engine: sa.Engine, settings: OutboxSettings, catalog: Ca
         sqla_outbox.uninstall(registry)
 
 
+def test_a_dispatch_added_before_the_listeners_is_checked_and_written_at_flush(
+    engine: sa.Engine, settings: OutboxSettings, catalog: Catalog
+) -> None:
+    """No before_attach saw it (nothing was installed yet): the flush checks it against the
+    catalog then, and writes it; an unknown task is refused there, writing nothing."""
+    session = Session(engine)
+    early = Dispatch("audit", {"early": True})
+    session.add(early)
+    sqla_outbox.install(session, settings, catalog=catalog)
+    session.commit()
+    session.close()
+    assert early.resolved_run_id == early.run_id
+    assert [row.envelope["task"] for row in outbox_rows(engine)] == ["audit"]
+
+    other = Session(engine)
+    other.add(Dispatch("no_such_task"))
+    sqla_outbox.install(other, settings, catalog=catalog)
+    with pytest.raises(errors.UnknownTask):
+        other.commit()
+    other.close()
+    assert count(engine, "task_runs") == 1
+
+
 def test_session_joined_to_an_outer_transaction(
     engine: sa.Engine, settings: OutboxSettings, catalog: Catalog
 ) -> None:

@@ -263,3 +263,27 @@ def test_a_tracestate_too_long_to_carry_is_dropped_at_dispatch_and_the_trace_kep
     assert carrier(TraceState([("vendor", "abc")]))["tracestate"] == "vendor=abc"
     oversized = carrier(TraceState([(f"v{i:02d}" + "k" * 100, "x" * 250) for i in range(32)]))
     assert "tracestate" not in oversized and oversized["traceparent"].startswith("00-")
+
+
+def test_the_carrier_is_empty_without_a_span_and_filled_with_one_even_beside_baggage() -> None:
+    """The quick exit (an empty context) and the span check must not hide a real span: a
+    context holding only baggage carries nothing, the same context with a span carries it."""
+    from opentelemetry import baggage, context, trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    from sqla_outbox import tracing
+
+    assert tracing.current_carrier() == {}
+    with_baggage = baggage.set_baggage("user", "7")
+    token = context.attach(with_baggage)
+    try:
+        assert tracing.current_carrier() == {}
+    finally:
+        context.detach(token)
+    span = NonRecordingSpan(SpanContext(0x1234, 0x5678, is_remote=True, trace_flags=TraceFlags(1)))
+    token = context.attach(trace.set_span_in_context(span, with_baggage))
+    try:
+        carried = tracing.current_carrier()
+    finally:
+        context.detach(token)
+    assert carried["traceparent"] == f"00-{0x1234:032x}-{0x5678:016x}-01"
