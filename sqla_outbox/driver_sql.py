@@ -44,6 +44,10 @@ _DICT_PARAMSTYLES = frozenset({"pyformat", "named"})
 _compiled: weakref.WeakKeyDictionary[Dialect, dict[TextClause, str | None]] = weakref.WeakKeyDictionary()
 """Per dialect: each statement's driver SQL, or None where the ordinary path must serve."""
 
+_last: tuple[weakref.ref[Any], dict[TextClause, str | None]] = (weakref.ref(_compiled), {})
+"""The last dialect asked for and its entry in :data:`_compiled` (an application has one
+engine, as a rule); the placeholder's referent is never a dialect."""
+
 
 def driver_sql(statement: TextClause, dialect: Dialect) -> str | None:
     """The SQL the driver receives for ``statement`` on ``dialect``, when running it with
@@ -51,9 +55,11 @@ def driver_sql(statement: TextClause, dialect: Dialect) -> str | None:
 
     Compiled once per (dialect, statement) and kept while the dialect (its engine) lives.
     """
-    per_dialect = _compiled.get(dialect)
-    if per_dialect is None:
-        per_dialect = _compiled[dialect] = {}
+    global _last
+    last_dialect, per_dialect = _last
+    if last_dialect() is not dialect:  # a WeakKeyDictionary lookup makes a weakref each time
+        per_dialect = _compiled.setdefault(dialect, {})
+        _last = (weakref.ref(dialect), per_dialect)
     try:
         return per_dialect[statement]
     except KeyError:

@@ -54,7 +54,6 @@ session commits and the sweep covers an outer commit that comes later).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
 from typing import Any
@@ -98,14 +97,23 @@ _HOOK_OPTIONS: dict[str, dict[str, Any]] = {"before_attach": {"raw": True}, "aft
 that looks up the instance (the hooks look at ``state.class_`` first)."""
 
 
-@dataclasses.dataclass
 class _SessionState:
-    """Per-session bookkeeping kept in ``session.info``."""
+    """Per-session bookkeeping kept in ``session.info`` (made by the first dispatching flush).
 
-    deferred: list[Prepared] = dataclasses.field(default_factory=list)
-    controls: list[Control] = dataclasses.field(default_factory=list)
-    written: dict[SessionTransaction, int] = dataclasses.field(default_factory=dict)
-    released: set[SessionTransaction] = dataclasses.field(default_factory=set)
+    Attributes:
+        deferred: Prepared rows waiting for this flush's ``after_flush`` (or the commit).
+        controls: Cancel/Reschedule objects waiting likewise, in the order added.
+        written: Outbox rows written per open transaction (root or savepoint).
+        released: Savepoints released, whose count moves to the parent when they end.
+    """
+
+    __slots__ = ("controls", "deferred", "released", "written")
+
+    def __init__(self) -> None:
+        self.deferred: list[Prepared] = []
+        self.controls: list[Control] = []
+        self.written: dict[SessionTransaction, int] = {}
+        self.released: set[SessionTransaction] = set()
 
 
 def _state(session: Session) -> _SessionState:

@@ -220,6 +220,8 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
         sqlalchemy.exc.DBAPIError: From the database, e.g. a tenant foreign key
             violation; the session's transaction is then rolled back by SQLAlchemy.
     """
+    if len(prepared) == 1 and type(prepared[0]) is PreparedRun:
+        return _write_single(connection, prepared[0], notify)
     runs: list[PreparedRun] = []
     fanouts: list[PreparedFanout] = []
     groups: list[PreparedGroup] = []
@@ -283,6 +285,27 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
         )
     for item in prepared:
         item.source.record_resolution(item)
+    return written
+
+
+def _write_single(connection: Connection, run: PreparedRun, notify: bool) -> int:
+    """:func:`write_runs` for a flush of one run, the usual flush: the same statements and
+    outcome, without the bookkeeping only several runs, fan-outs or groups need (twins in one
+    flush, per-run sets and lists: about 20,000 instructions of a one-dispatch transaction's
+    450,000, ``docs/benchmarks.md``, issue 17 part 4, fifth pass)."""
+    written = 0
+    pending = [run]
+    for _ in range(3):  # as write_runs: a keyed rival may finish between two statements
+        if not pending:
+            break
+        if _execute(connection, pending, (), notify):
+            run.resolved_run_id = run.run_id
+            run.deduplicated = False
+            written = 1
+            break
+        run.deduplicated = True
+        pending = _resolve_existing(connection, pending)
+    run.source.record_resolution(run)
     return written
 
 

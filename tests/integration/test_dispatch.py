@@ -248,6 +248,41 @@ def test_key_is_free_again_once_the_run_finished(factory: sessionmaker[Session],
     assert count(engine, "task_runs") == 2
 
 
+@pytest.mark.parametrize("runs_in_flush", [1, 2], ids=["one-run flush", "several-run flush"])
+def test_a_keyed_rival_finishing_between_insert_and_lookup_makes_a_new_run(
+    factory: sessionmaker[Session], engine: sa.Engine, runs_in_flush: int
+) -> None:
+    """The INSERT loses to an unfinished rival; the rival finishes before the lookup finds
+    it; the write tries the INSERT again, which now succeeds (both write paths)."""
+    with factory() as session, session.begin():
+        rival = Dispatch("audit", tenant_id=1, idempotency_key="nightly:1")
+        session.add(rival)
+    finished: list[str] = []
+
+    def finish_the_rival(conn, cursor, statement, parameters, context, executemany) -> None:  # type: ignore[no-untyped-def]
+        if statement.lstrip().startswith("WITH") and "INSERT INTO task_runs" in statement and not finished:
+            with engine.connect() as other, other.begin():
+                other.execute(
+                    sa.text("UPDATE task_runs SET status = 'succeeded' WHERE run_id = :r"),
+                    {"r": rival.run_id},
+                )
+            finished.append(statement)
+
+    sa.event.listen(engine, "after_cursor_execute", finish_the_rival)
+    try:
+        with factory() as session, session.begin():
+            again = Dispatch("audit", tenant_id=1, idempotency_key="nightly:1")
+            session.add(again)
+            if runs_in_flush == 2:
+                session.add(Dispatch("audit", tenant_id=1, idempotency_key="other"))
+    finally:
+        sa.event.remove(engine, "after_cursor_execute", finish_the_rival)
+    assert len(finished) == 1
+    assert again.resolved_run_id == again.run_id and not again.deduplicated
+    assert count(engine, "task_runs") == 1 + runs_in_flush
+    assert {row.run_id for row in outbox_rows(engine)} >= {rival.run_id, again.run_id}
+
+
 def test_caller_chosen_run_id_is_quietly_deduplicated(
     factory: sessionmaker[Session], engine: sa.Engine
 ) -> None:

@@ -175,3 +175,20 @@ def test_statements_whose_parameters_need_sqlalchemy_keep_the_ordinary_path(
     assert driver_sql.driver_sql(statement, engine.dialect) is None
     with engine.connect() as conn:
         assert driver_sql.execute(conn, statement, parameters).all() == expected
+
+
+def test_each_dialect_keeps_its_own_answer_when_engines_alternate(engine: sa.Engine) -> None:
+    """The last dialect is remembered for speed; asking for another one in between (an
+    application with a psycopg and an asyncpg engine) never hands out the other's SQL."""
+    from sqlalchemy.dialects.postgresql import asyncpg, psycopg
+
+    statement = write._INSERT_ONE["outbox_messages", False, True]
+    other_psycopg = psycopg.dialect()
+    answers = [
+        driver_sql.driver_sql(statement, dialect)
+        for dialect in (engine.dialect, asyncpg.dialect(), engine.dialect, other_psycopg, engine.dialect)
+    ]
+    assert answers[0] is not None and "%(run_id)s" in answers[0]
+    assert answers[1] is None  # positional $1 parameters: the ordinary path
+    assert answers[2] == answers[3] == answers[4] == answers[0]
+    assert driver_sql._compiled[other_psycopg] is not driver_sql._compiled[engine.dialect]

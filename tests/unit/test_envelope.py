@@ -9,6 +9,8 @@ import json
 import uuid
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sqla_outbox import charsets, envelope, errors
 
@@ -111,6 +113,43 @@ def test_subclasses_pass_and_the_depth_limit_holds_at_its_edge() -> None:
     envelope.encode_payload("t", deepest)
     with pytest.raises(errors.PayloadNotSerializable, match=r"deeper than 200 levels at \$\[0\]\[0\]"):
         envelope.encode_payload("t", [deepest])
+
+
+_NO_FLOATS = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+def _json_module(value: object) -> str:
+    """What the ``json`` module writes with dumps' options, and dumps' escapes applied."""
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return envelope._NOT_CARRIED.sub(envelope._json_escape, text)
+
+
+@given(_NO_FLOATS)
+def test_dumps_writes_exactly_what_the_json_module_writes(value: object) -> None:
+    """orjson, or the json fallback for what orjson refuses (integers past 64 bits, lone
+    surrogates): the same text, character for character, for every value without floats."""
+    assert envelope.dumps(value) == _json_module(value)
+
+
+@given(st.recursive(st.floats(allow_nan=False, allow_infinity=False), st.lists, max_leaves=10))
+def test_dumps_writes_floats_that_read_back_as_the_same_numbers(value: object) -> None:
+    assert json.loads(envelope.dumps(value)) == value
+
+
+def test_dumps_falls_back_to_json_for_what_orjson_refuses() -> None:
+    class Ratio(float):
+        pass
+
+    assert envelope.dumps({"big": 2**64}) == '{"big":18446744073709551616}'
+    assert envelope.dumps(["\ud800", "\uffff"]) == '["\\ud800","\\uffff"]'
+    assert envelope.dumps([Ratio(0.5)]) == "[0.5]"
+    assert envelope.encode_payload("t", {"r": Ratio(0.5)}) == '{"r":0.5}'
+    with pytest.raises(errors.PayloadNotSerializable, match="nan"):
+        envelope.encode_payload("t", {"r": Ratio("nan")})  # refused before orjson could write null
 
 
 def test_size_counts_body_and_attribute_names_types_and_values() -> None:
