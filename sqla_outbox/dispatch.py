@@ -137,6 +137,8 @@ class _Scheduled:
             raise errors.InvalidDispatch(
                 name_for_errors, f"tenant_id must be an integer (bigint), got {tenant_id!r}"
             )
+        if tenant_id is not None and type(tenant_id) is not int:
+            tenant_id = int.__int__(tenant_id)  # an IntEnum's integer (orjson would write its .value)
         self.tenant_id = tenant_id
         self.delay = _coerce_delay(name_for_errors, delay, available_at)
         self.available_at = _coerce_available_at(name_for_errors, available_at)
@@ -153,7 +155,7 @@ class _Scheduled:
                 "idempotency_key must not contain NUL characters or lone surrogates "
                 "(PostgreSQL text cannot store them)",
             )
-        self.idempotency_key = idempotency_key
+        self.idempotency_key = idempotency_key if idempotency_key is None else _exact_str(idempotency_key)
         self.trace = tracing.current_carrier()
         self._prepared = None
 
@@ -262,12 +264,12 @@ class Dispatch(_Scheduled):
             raise errors.InvalidDispatch(
                 str(task), "task names are 1..200 characters of letters, digits and _ . : -"
             )
-        self.task = task
+        self.task = task if type(task) is str else _exact_str(task)
         if queue is not None and not is_queue_name(queue):
             raise errors.UnknownQueue(
                 task, f"unknown queue {queue!r}: queue names are 1..40 letters, digits, '-' and '_'"
             )
-        self.queue = queue
+        self.queue = queue if queue is None else _exact_str(queue)
         if run_id is not None and not isinstance(run_id, uuid.UUID):
             raise errors.InvalidDispatch(task, f"run_id must be a uuid.UUID, got {run_id!r}")
         self.run_id: uuid.UUID = run_id or uuid.uuid4()
@@ -350,7 +352,7 @@ class Publish(_Scheduled):
             raise errors.InvalidDispatch(
                 str(event), "event names are 1..200 characters of letters, digits and _ . : -"
             )
-        self.event = event
+        self.event = _exact_str(event)
         self.runs: dict[str, uuid.UUID] = {}
         self._init_common(
             {} if payload is _MISSING else payload,
@@ -561,6 +563,13 @@ def scheduled_types() -> tuple[type[_Scheduled], ...]:
 
 
 # --------------------------------------------------------------------------------------
+
+
+def _exact_str(value: str) -> str:
+    """``value`` as an exact ``str``: a subclass's or a ``str`` Enum member's characters (not
+    its ``__str__``, and not the ``.value`` orjson would write), so the envelope, SQS and
+    PostgreSQL all see the same text."""
+    return value if type(value) is str else str.__str__(value)
 
 
 def _coerce_delay(

@@ -157,7 +157,7 @@ def _json_escape(match: re.Match[str]) -> str:
     return f"\\u{ord(match.group()):04x}"
 
 
-_FALLBACK_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_JSON_MODULE_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 """What ``json.dumps`` would build on every call with these options (made once)."""
 
 
@@ -166,11 +166,18 @@ def dumps(value: Any) -> str:
 
     Encoded by ``orjson`` (compact, UTF-8, keys in insertion order), which takes about a
     tenth of the ``json`` module's instructions for an envelope (``docs/benchmarks.md``,
-    issue 17 part 4, fifth pass); strings, integers and the layout come out exactly as
-    ``json.dumps(value, separators=(",", ":"), ensure_ascii=False)`` writes them, floats as
-    their shortest round-trip form (``1e-05`` may read ``0.00001``: the same number). What
-    ``orjson`` refuses and ``json`` accepts (integers beyond 64 bits, lone surrogates,
-    ``float`` subclasses) is encoded by ``json`` with those options.
+    issue 17 part 4, fifth pass), when ``value`` is made of the exact built-in types; the
+    text is then exactly what ``json.dumps(value, separators=(",", ":"),
+    ensure_ascii=False)`` writes, but for floats, written in their shortest round-trip form
+    (``1e-05`` may read ``0.00001``: the same number). Anything else goes to the ``json``
+    module with those options: what ``orjson`` refuses (integers beyond 64 bits, lone
+    surrogates, ``float`` subclasses) and, refused here on purpose, subclasses of ``dict``,
+    ``list``, ``str`` and ``int``, which ``orjson`` reads from their storage where ``json``
+    (and the payload walk) read ``items()`` and ``__iter__`` (a Werkzeug ``MultiDict``, an
+    ``OrderedDict`` after ``move_to_end``). ``Enum`` members are the one subclass ``orjson``
+    still takes (it writes their ``.value``): :func:`encode_payload` sends payloads holding
+    one to :func:`dumps_json`, and envelope documents hold none (``Dispatch`` keeps exact
+    copies of the names, key and tenant it is given).
 
     Both escape control characters (U+0000 to U+001F); the characters they leave raw and
     that SQS (XML character set) or PostgreSQL (valid UTF-8) refuse, lone surrogates,
@@ -183,10 +190,20 @@ def dumps(value: Any) -> str:
     (``jsonb``, where the relay reads them from, cannot store them).
     """
     try:
-        text = orjson.dumps(value).decode()
-    except TypeError:  # orjson.JSONEncodeError: beyond 64-bit integers, lone surrogates, ...
-        text = _FALLBACK_ENCODER.encode(value)
-    if text.isascii() or _NOT_CARRIED.search(text) is None:  # what it refuses is never ASCII
+        text = orjson.dumps(value, option=orjson.OPT_PASSTHROUGH_SUBCLASS).decode()
+    except TypeError:  # orjson.JSONEncodeError: a subclass, beyond 64-bit integers, lone surrogates
+        return dumps_json(value)
+    return _carried(text)
+
+
+def dumps_json(value: Any) -> str:
+    """:func:`dumps` by the ``json`` module alone (reads every container as ``json`` does)."""
+    return _carried(_JSON_MODULE_ENCODER.encode(value))
+
+
+def _carried(text: str) -> str:
+    """``text`` with the characters SQS or PostgreSQL refuse written as JSON escapes."""
+    if text.isascii() or _NOT_CARRIED.search(text) is None:  # what they refuse is never ASCII
         return text
     return _NOT_CARRIED.sub(_json_escape, text)
 
@@ -286,9 +303,9 @@ def encode_payload(task: str, payload: Any) -> str:
         PayloadNotSerializable: A value is not plain JSON; the message names its path
             (``$.items[2]``) and type.
     """
-    _check_plain_json(task, payload)  # first: dumps writes a NaN it is given as null
+    exact = _check_plain_json(task, payload)  # first: dumps writes a NaN it is given as null
     try:
-        return dumps(payload)
+        return dumps(payload) if exact else dumps_json(payload)
     except (ValueError, TypeError, RecursionError) as exc:  # pragma: no cover - walk covers
         raise errors.PayloadNotSerializable(task, f"payload is not JSON: {exc}") from exc
 
@@ -311,14 +328,21 @@ _FLAT_VALUE_TYPES = frozenset({str, int, bool, type(None)})
 """Value types (exactly these, not subclasses) of a payload that needs no walk when it is a
 flat object: the common payload, checked in one pass."""
 
+_EXACT_TYPES = frozenset({dict, list, tuple, str, int, float, bool, type(None)})
+"""The built-in types :func:`dumps` gives to ``orjson``; a payload holding anything else
+(a subclass) is encoded by :func:`dumps_json`."""
 
-def _check_plain_json(task: str, payload: Any) -> None:
+
+def _check_plain_json(task: str, payload: Any) -> bool:
+    """Refuse what is not plain JSON; return whether every value and key is of an exact
+    built-in type (:data:`_EXACT_TYPES`), so that ``orjson`` reads it as ``json`` does."""
     if type(payload) is dict:  # a flat object of plain values, in one pass (a loop: no generator)
         for key, value in payload.items():
             if type(key) is not str or type(value) not in _FLAT_VALUE_TYPES:
                 break
         else:
-            return
+            return True
+    exact = True
     stack: list[tuple[Any, _Where, int]] = [(payload, None, 0)]
     pop, push = stack.pop, stack.append
     while stack:
@@ -327,6 +351,8 @@ def _check_plain_json(task: str, payload: Any) -> None:
             raise errors.PayloadNotSerializable(
                 task, f"payload nests deeper than {_MAX_DEPTH} levels at {_path(where)}"
             )
+        if exact and type(value) not in _EXACT_TYPES:
+            exact = False
         if value is None or isinstance(value, (bool, str, int)):
             continue
         if isinstance(value, float):
@@ -337,12 +363,14 @@ def _check_plain_json(task: str, payload: Any) -> None:
             continue
         if isinstance(value, dict):
             for key, item in value.items():
-                if not isinstance(key, str):
-                    raise errors.PayloadNotSerializable(
-                        task,
-                        f"payload is not JSON: key {key!r} ({type(key).__name__}) at {_path(where)}; "
-                        "object keys must be strings",
-                    )
+                if type(key) is not str:
+                    if not isinstance(key, str):
+                        raise errors.PayloadNotSerializable(
+                            task,
+                            f"payload is not JSON: key {key!r} ({type(key).__name__}) at {_path(where)}; "
+                            "object keys must be strings",
+                        )
+                    exact = False
                 push((item, (where, key), depth + 1))
             continue
         if isinstance(value, (list, tuple)):
@@ -359,6 +387,7 @@ def _check_plain_json(task: str, payload: Any) -> None:
         raise errors.PayloadNotSerializable(
             task, f"payload is not JSON: {type(value).__name__} at {_path(where)}{hint}"
         )
+    return exact
 
 
 # --------------------------------------------------------------------------------------

@@ -147,6 +147,19 @@ class InvalidDispatch(DispatchError):
     code = "invalid-dispatch"
 
 
+class IdempotencyKeyContended(DispatchError):
+    """The idempotency key's unfinished run kept finishing while the flush wrote this run.
+
+    Raised at flush: three times in a row the INSERT met an unfinished run with the same
+    task, tenant and key, and that run had finished by the time the lookup that follows
+    looked for it (another process dispatching and finishing runs of that key without a
+    pause). The flush fails and the session's transaction rolls back, so nothing of it is
+    written; retrying the transaction dispatches again.
+    """
+
+    code = "idempotency-key-contended"
+
+
 class HandlerNotFound(OutboxError):
     """The worker has no handler registered for the task.
 

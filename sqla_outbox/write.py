@@ -276,6 +276,8 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
                 run.deduplicated = True
                 missing.append(run)
         pending = _resolve_existing(connection, missing)
+    if pending:
+        raise _contended(pending[0])
     for run, earlier in twins:
         run.resolved_run_id = earlier.resolved_run_id
         run.deduplicated = True
@@ -293,20 +295,28 @@ def _write_single(connection: Connection, run: PreparedRun, notify: bool) -> int
     outcome, without the bookkeeping only several runs, fan-outs or groups need (twins in one
     flush, per-run sets and lists: about 20,000 instructions of a one-dispatch transaction's
     450,000, ``docs/benchmarks.md``, issue 17 part 4, fifth pass)."""
-    written = 0
     pending = [run]
     for _ in range(3):  # as write_runs: a keyed rival may finish between two statements
-        if not pending:
-            break
         if _execute(connection, pending, (), notify):
             run.resolved_run_id = run.run_id
             run.deduplicated = False
-            written = 1
-            break
+            run.source.record_resolution(run)
+            return 1
         run.deduplicated = True
         pending = _resolve_existing(connection, pending)
-    run.source.record_resolution(run)
-    return written
+        if not pending:
+            run.source.record_resolution(run)
+            return 0
+    raise _contended(run)
+
+
+def _contended(run: PreparedRun) -> errors.IdempotencyKeyContended:
+    return errors.IdempotencyKeyContended(
+        run.task,
+        "the run holding this idempotency key finished between the INSERT and the lookup "
+        "three times in a row (another process keeps dispatching and finishing it); nothing "
+        "of this flush was written: retry the transaction",
+    )
 
 
 def _execute(

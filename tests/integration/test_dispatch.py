@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import json
 import uuid
 
@@ -197,6 +198,37 @@ def test_connection_time_zone_does_not_shift_available_at(
     assert dt.timedelta(seconds=59) < row.available_at - db_now < dt.timedelta(seconds=61)
 
 
+def test_enum_and_subclass_names_and_tenants_are_stored_as_their_plain_values(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """The envelope (orjson writes an Enum member's .value), the rows and SQS all see the
+    same plain text and integer: a Dispatch keeps exact copies of what it is given."""
+
+    class Tenant(enum.IntEnum):
+        def __new__(cls, value: str) -> Tenant:
+            member = int.__new__(cls, 3)  # the integer is 3, the value a label
+            member._value_ = value
+            return member
+
+        ACME = "acme"
+
+    class Task(enum.StrEnum):
+        WELCOME = "send_welcome"
+
+        def __str__(self) -> str:
+            return "not the task name"
+
+    with factory() as session, session.begin():
+        item = Dispatch(Task.WELCOME, {"user_id": 7}, tenant_id=Tenant.ACME, idempotency_key=Task.WELCOME)
+        session.add(item)
+    assert type(item.task) is str and type(item.tenant_id) is int and type(item.idempotency_key) is str
+    [row] = outbox_rows(engine)
+    assert row.tenant_id == 3 and row.envelope["tenant_id"] == 3
+    assert row.envelope["task"] == "send_welcome" and row.envelope["idempotency_key"] == "send_welcome"
+    [run] = runs(engine)
+    assert (run.task, run.tenant_id, run.idempotency_key) == ("send_welcome", 3, "send_welcome")
+
+
 # --- idempotency -------------------------------------------------------------------------
 def test_duplicate_idempotency_key_resolves_to_the_existing_run(
     factory: sessionmaker[Session], engine: sa.Engine
@@ -281,6 +313,53 @@ def test_a_keyed_rival_finishing_between_insert_and_lookup_makes_a_new_run(
     assert again.resolved_run_id == again.run_id and not again.deduplicated
     assert count(engine, "task_runs") == 1 + runs_in_flush
     assert {row.run_id for row in outbox_rows(engine)} >= {rival.run_id, again.run_id}
+
+
+@pytest.mark.parametrize("runs_in_flush", [1, 2], ids=["one-run flush", "several-run flush"])
+def test_a_key_whose_rivals_keep_finishing_fails_the_flush_instead_of_dropping_the_run(
+    factory: sessionmaker[Session], engine: sa.Engine, runs_in_flush: int
+) -> None:
+    """Each INSERT meets an unfinished rival that finishes before the lookup, and a new
+    rival appears before the next INSERT: after three rounds the flush raises and the
+    transaction writes nothing (it used to commit with the dispatch unresolved and unwritten)."""
+    installed = sqla_outbox.installation_for(factory)
+    assert installed is not None
+    other = sessionmaker(sa.create_engine(engine.url))
+    sqla_outbox.install(other, installed.settings, catalog=installed.catalog)
+
+    def new_rival() -> uuid.UUID:
+        with other() as session, session.begin():
+            rival = Dispatch("audit", tenant_id=1, idempotency_key="nightly:1")
+            session.add(rival)
+        return rival.run_id
+
+    rivals = [new_rival()]
+
+    def interleave(conn, cursor, statement, parameters, context, executemany) -> None:  # type: ignore[no-untyped-def]
+        if "INSERT INTO task_runs" in statement:  # the rival finishes before the lookup
+            with other.kw["bind"].begin() as c:
+                c.execute(
+                    sa.text("UPDATE task_runs SET status = 'succeeded' WHERE run_id = :r"), {"r": rivals[-1]}
+                )
+        elif "idempotency_key = ANY" in statement:  # and a new one is there for the next INSERT
+            rivals.append(new_rival())
+
+    sa.event.listen(engine, "after_cursor_execute", interleave)
+    try:
+        with pytest.raises(errors.IdempotencyKeyContended) as caught:
+            with factory() as session, session.begin():
+                mine = Dispatch("audit", {"mine": True}, tenant_id=1, idempotency_key="nightly:1")
+                session.add(mine)
+                if runs_in_flush == 2:
+                    session.add(Dispatch("audit", tenant_id=2))
+    finally:
+        sa.event.remove(engine, "after_cursor_execute", interleave)
+        sqla_outbox.uninstall(other)
+        other.kw["bind"].dispose()
+    assert caught.value.task == "audit" and caught.value.code == "idempotency-key-contended"
+    assert len(rivals) == 4  # the first rival and one per round
+    assert {row.run_id for row in runs(engine)} == set(rivals)  # nothing of the failed flush
+    assert mine.resolved_run_id is None
 
 
 def test_caller_chosen_run_id_is_quietly_deduplicated(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import decimal
 import enum
@@ -115,9 +116,64 @@ def test_subclasses_pass_and_the_depth_limit_holds_at_its_edge() -> None:
         envelope.encode_payload("t", [deepest])
 
 
+class _Level(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+class _Skewed(enum.IntEnum):
+    """An IntEnum whose integer is not its value: json writes the integer, orjson the value."""
+
+    def __new__(cls, value: int) -> _Skewed:
+        member = int.__new__(cls, value * 100)
+        member._value_ = value
+        return member
+
+    ONE = 1
+
+
+class _Colour(enum.StrEnum):
+    RED = "red"
+
+
+class _Rows(list):  # type: ignore[type-arg]
+    """A list subclass that iterates over none of the items it holds (json reads __iter__)."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(())
+
+
+class _MultiValued(dict):  # type: ignore[type-arg]
+    """Like Werkzeug's MultiDict (Flask's request.args): holds lists, gives the first of each."""
+
+    def __init__(self, pairs: list[tuple[str, object]]) -> None:
+        super().__init__()
+        for key, value in pairs:
+            dict.setdefault(self, key, []).append(value)
+
+    def items(self):  # type: ignore[no-untyped-def]
+        return [(key, values[0]) for key, values in dict.items(self)]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return dict.__iter__(self)
+
+
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.text()
+    | st.sampled_from([_Level.HIGH, _Skewed.ONE, _Colour.RED])
+)
 _NO_FLOATS = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.text(),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    _SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.lists(inner, max_size=4).map(tuple)
+        | st.dictionaries(st.text(), inner, max_size=4)
+        | st.dictionaries(st.text(), inner, max_size=4).map(collections.OrderedDict)
+        | st.lists(st.tuples(st.text(max_size=2), inner), max_size=4).map(_MultiValued)
+    ),
     max_leaves=20,
 )
 
@@ -129,10 +185,41 @@ def _json_module(value: object) -> str:
 
 
 @given(_NO_FLOATS)
-def test_dumps_writes_exactly_what_the_json_module_writes(value: object) -> None:
-    """orjson, or the json fallback for what orjson refuses (integers past 64 bits, lone
-    surrogates): the same text, character for character, for every value without floats."""
-    assert envelope.dumps(value) == _json_module(value)
+def test_payloads_encode_exactly_as_the_json_module_writes_them(value: object) -> None:
+    """orjson for exact built-in types, the json module for the rest (integers past 64 bits,
+    lone surrogates, subclasses, enums): the same text, character for character."""
+    assert envelope.encode_payload("t", value) == _json_module(value)
+    if not any(isinstance(v, enum.Enum) for v in _leaves(value)):  # enums: encode_payload's walk
+        assert envelope.dumps(value) == _json_module(value)
+
+
+def _leaves(value: object) -> list[object]:
+    if isinstance(value, dict):
+        return [leaf for item in value.items() for leaf in _leaves(item[1])]
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]
+
+
+def test_a_container_read_differently_by_its_storage_is_encoded_as_its_methods_say() -> None:
+    """orjson reads a dict or list subclass from its storage; json and the payload walk read
+    items() and __iter__. The walk's reading wins, so what was checked is what is written."""
+    args = _MultiValued([("tag", "a"), ("tag", "b"), ("page", "2")])
+    assert envelope.encode_payload("t", args) == '{"tag":"a","page":"2"}'
+
+    class Hiding(dict):  # type: ignore[type-arg]
+        def items(self):  # type: ignore[no-untyped-def]
+            return [("ok", 1)]
+
+    hidden = Hiding(ok=1, when=dt.datetime(2020, 1, 1), ratio=float("nan"))
+    assert envelope.encode_payload("t", [hidden]) == '[{"ok":1}]'
+    assert envelope.encode_payload("t", {"rows": _Rows([1, float("inf")])}) == '{"rows":[]}'
+    ordered = collections.OrderedDict(a=1, b=2)
+    ordered.move_to_end("a")
+    assert envelope.encode_payload("t", ordered) == '{"b":2,"a":1}'
+    assert envelope.encode_payload("t", {"level": _Skewed.ONE, "colour": _Colour.RED}) == (
+        '{"level":100,"colour":"red"}'
+    )
 
 
 @given(st.recursive(st.floats(allow_nan=False, allow_infinity=False), st.lists, max_leaves=10))
