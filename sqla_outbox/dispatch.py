@@ -129,19 +129,17 @@ class _Scheduled:
         self.priority = priority
         self.payload_json = envelope_mod.encode_payload(name_for_errors, payload)
         self.payload: JSONPayload = payload
-        if tenant_id is not None and (
-            isinstance(tenant_id, bool)
-            or not isinstance(tenant_id, int)
-            or not -_BIGINT <= tenant_id < _BIGINT
-        ):
+        if type(tenant_id) is not int and isinstance(tenant_id, int) and not isinstance(tenant_id, bool):
+            tenant_id = int.__int__(tenant_id)  # an IntEnum's integer (orjson would write .value)
+        if tenant_id is not None and (type(tenant_id) is not int or not -_BIGINT <= tenant_id < _BIGINT):
             raise errors.InvalidDispatch(
                 name_for_errors, f"tenant_id must be an integer (bigint), got {tenant_id!r}"
             )
-        if tenant_id is not None and type(tenant_id) is not int:
-            tenant_id = int.__int__(tenant_id)  # an IntEnum's integer (orjson would write its .value)
         self.tenant_id = tenant_id
         self.delay = _coerce_delay(name_for_errors, delay, available_at)
         self.available_at = _coerce_available_at(name_for_errors, available_at)
+        if isinstance(idempotency_key, str):
+            idempotency_key = _exact_str(idempotency_key)  # checked as stored, not by its own __len__
         if idempotency_key is not None and (
             not isinstance(idempotency_key, str) or not 0 < len(idempotency_key) <= _MAX_KEY_LENGTH
         ):
@@ -155,7 +153,7 @@ class _Scheduled:
                 "idempotency_key must not contain NUL characters or lone surrogates "
                 "(PostgreSQL text cannot store them)",
             )
-        self.idempotency_key = idempotency_key if idempotency_key is None else _exact_str(idempotency_key)
+        self.idempotency_key = idempotency_key
         self.trace = tracing.current_carrier()
         self._prepared = None
 
@@ -260,16 +258,20 @@ class Dispatch(_Scheduled):
         run_id: uuid.UUID | None = None,
         priority: int | None = None,
     ) -> None:
+        if type(task) is not str and isinstance(task, str):
+            task = _exact_str(task)
         if not is_name(task):
             raise errors.InvalidDispatch(
                 str(task), "task names are 1..200 characters of letters, digits and _ . : -"
             )
-        self.task = task if type(task) is str else _exact_str(task)
+        self.task = task
+        if isinstance(queue, str):
+            queue = _exact_str(queue)
         if queue is not None and not is_queue_name(queue):
             raise errors.UnknownQueue(
                 task, f"unknown queue {queue!r}: queue names are 1..40 letters, digits, '-' and '_'"
             )
-        self.queue = queue if queue is None else _exact_str(queue)
+        self.queue = queue
         if run_id is not None and not isinstance(run_id, uuid.UUID):
             raise errors.InvalidDispatch(task, f"run_id must be a uuid.UUID, got {run_id!r}")
         self.run_id: uuid.UUID = run_id or uuid.uuid4()
@@ -348,11 +350,13 @@ class Publish(_Scheduled):
         idempotency_key: str | None = None,
         priority: int | None = None,
     ) -> None:
+        if isinstance(event, str):
+            event = _exact_str(event)
         if not is_name(event):
             raise errors.InvalidDispatch(
                 str(event), "event names are 1..200 characters of letters, digits and _ . : -"
             )
-        self.event = _exact_str(event)
+        self.event = event
         self.runs: dict[str, uuid.UUID] = {}
         self._init_common(
             {} if payload is _MISSING else payload,

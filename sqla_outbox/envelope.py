@@ -158,6 +158,7 @@ def _json_escape(match: re.Match[str]) -> str:
 
 
 _JSON_MODULE_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_STRICT_JSON_MODULE_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 """What ``json.dumps`` would build on every call with these options (made once)."""
 
 
@@ -175,8 +176,8 @@ def dumps(value: Any) -> str:
     ``list``, ``str`` and ``int``, which ``orjson`` reads from their storage where ``json``
     (and the payload walk) read ``items()`` and ``__iter__`` (a Werkzeug ``MultiDict``, an
     ``OrderedDict`` after ``move_to_end``). ``Enum`` members are the one subclass ``orjson``
-    still takes (it writes their ``.value``): :func:`encode_payload` sends payloads holding
-    one to :func:`dumps_json`, and envelope documents hold none (``Dispatch`` keeps exact
+    still takes (it writes their ``.value``): :func:`encode_payload` encodes payloads holding
+    one with the ``json`` module, and envelope documents hold none (``Dispatch`` keeps exact
     copies of the names, key and tenant it is given).
 
     Both escape control characters (U+0000 to U+001F); the characters they leave raw and
@@ -303,10 +304,16 @@ def encode_payload(task: str, payload: Any) -> str:
         PayloadNotSerializable: A value is not plain JSON; the message names its path
             (``$.items[2]``) and type.
     """
-    exact = _check_plain_json(task, payload)  # first: dumps writes a NaN it is given as null
     try:
-        return dumps(payload) if exact else dumps_json(payload)
-    except (ValueError, TypeError, RecursionError) as exc:  # pragma: no cover - walk covers
+        exact = _check_plain_json(task, payload)  # first: dumps writes a NaN it is given as null
+        if exact:
+            return dumps(payload)
+        # a subclass's items()/__iter__ run again here: the strict encoder refuses a NaN
+        # they did not show the walk
+        return _carried(_STRICT_JSON_MODULE_ENCODER.encode(payload))
+    except errors.PayloadNotSerializable:
+        raise
+    except (ValueError, TypeError, RecursionError) as exc:  # a subclass's own methods failed
         raise errors.PayloadNotSerializable(task, f"payload is not JSON: {exc}") from exc
 
 
@@ -351,20 +358,21 @@ def _check_plain_json(task: str, payload: Any) -> bool:
             raise errors.PayloadNotSerializable(
                 task, f"payload nests deeper than {_MAX_DEPTH} levels at {_path(where)}"
             )
-        if exact and type(value) not in _EXACT_TYPES:
+        kind = type(value)  # its real type: isinstance() would believe a __class__ property
+        if exact and kind not in _EXACT_TYPES:
             exact = False
-        if value is None or isinstance(value, (bool, str, int)):
+        if value is None or issubclass(kind, (bool, str, int)):
             continue
-        if isinstance(value, float):
+        if issubclass(kind, float):
             if not math.isfinite(value):
                 raise errors.PayloadNotSerializable(
                     task, f"payload is not JSON: {value!r} at {_path(where)} (JSON has no NaN/Infinity)"
                 )
             continue
-        if isinstance(value, dict):
+        if issubclass(kind, dict):
             for key, item in value.items():
                 if type(key) is not str:
-                    if not isinstance(key, str):
+                    if not issubclass(type(key), str):
                         raise errors.PayloadNotSerializable(
                             task,
                             f"payload is not JSON: key {key!r} ({type(key).__name__}) at {_path(where)}; "
@@ -373,7 +381,7 @@ def _check_plain_json(task: str, payload: Any) -> bool:
                     exact = False
                 push((item, (where, key), depth + 1))
             continue
-        if isinstance(value, (list, tuple)):
+        if issubclass(kind, (list, tuple)):
             for index, item in enumerate(value):
                 push((item, (where, index), depth + 1))
             continue

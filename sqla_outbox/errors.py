@@ -153,8 +153,9 @@ class IdempotencyKeyContended(DispatchError):
     Raised at flush: three times in a row the INSERT met an unfinished run with the same
     task, tenant and key, and that run had finished by the time the lookup that follows
     looked for it (another process dispatching and finishing runs of that key without a
-    pause). The flush fails and the session's transaction rolls back, so nothing of it is
-    written; retrying the transaction dispatches again.
+    pause). The flush fails and nothing of it stays written (what it had inserted is deleted
+    again, so catching the error and committing writes none of the flush); retrying the
+    transaction dispatches again.
     """
 
     code = "idempotency-key-contended"

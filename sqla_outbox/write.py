@@ -219,6 +219,12 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
     Raises:
         sqlalchemy.exc.DBAPIError: From the database, e.g. a tenant foreign key
             violation; the session's transaction is then rolled back by SQLAlchemy.
+        InvalidDispatch: A caller-chosen ``run_id`` belongs to another task's or tenant's
+            run (in the database, or twice in this flush).
+        IdempotencyKeyContended: A keyed run's rival kept finishing while it was resolved.
+            For either, nothing of the flush remains written: what the call inserted before
+            it found the problem is deleted again (:func:`_take_back`), so a caller that
+            catches the error and commits writes none of it.
     """
     if len(prepared) == 1 and type(prepared[0]) is PreparedRun:
         return _write_single(connection, prepared[0], notify)
@@ -232,8 +238,6 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
             fanouts.append(item)
         else:
             groups.append(item)
-    if groups:
-        _write_groups(connection, groups)
     unique: list[PreparedRun] = []
     twins: list[tuple[PreparedRun, PreparedRun]] = []
     first_by_key: dict[_Key, PreparedRun] = {}
@@ -252,32 +256,40 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
         first_by_id[run.run_id] = run
         unique.append(run)
 
+    if groups:
+        _write_groups(connection, groups)
     written = 0
+    inserted_ids: list[uuid.UUID] = []  # taken back if this call fails after writing
     pending = unique
-    for _ in range(3):
-        if not pending and not fanouts:
-            break
-        inserted = set()
-        for run_id, endpoint_id, fan_ord in _execute(connection, pending, fanouts, notify):
-            if endpoint_id is None:
-                inserted.add(run_id)
-            else:  # a webhook delivery (deduplicated ones are simply not inserted)
-                assert fan_ord is not None
-                fanouts[fan_ord - 1].run_ids[endpoint_id] = run_id
-                written += 1
-        fanouts = []  # written once; only ordinary runs may need another try
-        written += len(inserted)
-        missing = []
-        for run in pending:
-            if run.run_id in inserted:
-                run.resolved_run_id = run.run_id
-                run.deduplicated = False
-            else:
-                run.deduplicated = True
-                missing.append(run)
-        pending = _resolve_existing(connection, missing)
-    if pending:
-        raise _contended(pending[0])
+    try:
+        for _ in range(3):
+            if not pending and not fanouts:
+                break
+            inserted = set()
+            for run_id, endpoint_id, fan_ord in _execute(connection, pending, fanouts, notify):
+                inserted_ids.append(run_id)
+                if endpoint_id is None:
+                    inserted.add(run_id)
+                else:  # a webhook delivery (deduplicated ones are simply not inserted)
+                    assert fan_ord is not None
+                    fanouts[fan_ord - 1].run_ids[endpoint_id] = run_id
+                    written += 1
+            fanouts = []  # written once; only ordinary runs may need another try
+            written += len(inserted)
+            missing = []
+            for run in pending:
+                if run.run_id in inserted:
+                    run.resolved_run_id = run.run_id
+                    run.deduplicated = False
+                else:
+                    run.deduplicated = True
+                    missing.append(run)
+            pending = _resolve_existing(connection, missing)
+        if pending:
+            raise _contended(pending[0])
+    except errors.DispatchError:
+        _take_back(connection, inserted_ids, [group.group_id for group in groups])
+        raise
     for run, earlier in twins:
         run.resolved_run_id = earlier.resolved_run_id
         run.deduplicated = True
@@ -308,6 +320,33 @@ def _write_single(connection: Connection, run: PreparedRun, notify: bool) -> int
             run.source.record_resolution(run)
             return 0
     raise _contended(run)
+
+
+_TAKE_BACK = text(
+    """
+WITH runs AS (DELETE FROM task_runs WHERE run_id = ANY(:run_ids)),
+tenant_rows AS (DELETE FROM outbox_messages WHERE run_id = ANY(:run_ids)),
+platform_rows AS (DELETE FROM platform_outbox_messages WHERE run_id = ANY(:run_ids))
+DELETE FROM task_groups WHERE id = ANY(:group_ids)
+"""
+).bindparams(
+    bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True))),
+    bindparam("group_ids", type_=ARRAY(UUID(as_uuid=True))),
+)
+
+
+def _take_back(connection: Connection, run_ids: list[uuid.UUID], group_ids: list[uuid.UUID]) -> None:
+    """Delete what a failing :func:`write_runs` inserted before it found the problem (the
+    runs of its first statement, their outbox rows, the flush's groups).
+
+    A flush whose objects are all outbox objects writes from ``before_flush``, where
+    SQLAlchemy does not roll the transaction back on an error, so an application that
+    catches the error and commits would otherwise commit part of the flush. The rows are
+    this transaction's own (no other transaction sees them), so the delete meets no lock;
+    a wake the statement carried (``NOTIFY``) only makes the relay look.
+    """
+    if run_ids or group_ids:
+        driver_sql.execute(connection, _TAKE_BACK, {"run_ids": run_ids, "group_ids": group_ids})
 
 
 def _contended(run: PreparedRun) -> errors.IdempotencyKeyContended:

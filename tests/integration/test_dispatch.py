@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sqla_outbox
-from sqla_outbox import Dispatch, Publish, errors
+from sqla_outbox import Dispatch, Group, Publish, errors
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from tests.support import count, drain_wakes, outbox_rows, runs
@@ -229,6 +229,27 @@ def test_enum_and_subclass_names_and_tenants_are_stored_as_their_plain_values(
     assert (run.task, run.tenant_id, run.idempotency_key) == ("send_welcome", 3, "send_welcome")
 
 
+def test_names_keys_and_tenants_are_checked_as_they_are_stored() -> None:
+    """A subclass's own __len__ or comparisons do not decide: the exact copy is checked."""
+
+    class Short(str):
+        def __len__(self) -> int:
+            return 1
+
+    class Small(int):
+        def __lt__(self, other: object) -> bool:
+            return True
+
+        def __le__(self, other: object) -> bool:
+            return True
+
+    with pytest.raises(errors.InvalidDispatch, match="at most 512"):
+        Dispatch("send_welcome", tenant_id=1, idempotency_key=Short("k" * 5000))
+    with pytest.raises(errors.InvalidDispatch, match="bigint"):
+        Dispatch("send_welcome", tenant_id=Small(2**70))
+    assert type(Dispatch("send_welcome", tenant_id=Small(3)).tenant_id) is int
+
+
 # --- idempotency -------------------------------------------------------------------------
 def test_duplicate_idempotency_key_resolves_to_the_existing_run(
     factory: sessionmaker[Session], engine: sa.Engine
@@ -346,12 +367,14 @@ def test_a_key_whose_rivals_keep_finishing_fails_the_flush_instead_of_dropping_t
 
     sa.event.listen(engine, "after_cursor_execute", interleave)
     try:
-        with pytest.raises(errors.IdempotencyKeyContended) as caught:
-            with factory() as session, session.begin():
-                mine = Dispatch("audit", {"mine": True}, tenant_id=1, idempotency_key="nightly:1")
-                session.add(mine)
-                if runs_in_flush == 2:
-                    session.add(Dispatch("audit", tenant_id=2))
+        with factory() as session:
+            mine = Dispatch("audit", {"mine": True}, tenant_id=1, idempotency_key="nightly:1")
+            session.add(mine)
+            if runs_in_flush == 2:
+                session.add(Dispatch("audit", tenant_id=2))
+            with pytest.raises(errors.IdempotencyKeyContended) as caught:
+                session.flush()
+            session.commit()  # an application that catches the error and goes on
     finally:
         sa.event.remove(engine, "after_cursor_execute", interleave)
         sqla_outbox.uninstall(other)
@@ -359,7 +382,31 @@ def test_a_key_whose_rivals_keep_finishing_fails_the_flush_instead_of_dropping_t
     assert caught.value.task == "audit" and caught.value.code == "idempotency-key-contended"
     assert len(rivals) == 4  # the first rival and one per round
     assert {row.run_id for row in runs(engine)} == set(rivals)  # nothing of the failed flush
+    assert count(engine, "outbox_messages") == len(rivals)
     assert mine.resolved_run_id is None
+
+
+def test_a_flush_refused_after_its_first_statement_leaves_nothing_even_when_committed(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """A run_id of another task's run is found only after the flush's INSERT wrote the other
+    runs and the group: they are taken back, so catching the error and committing writes
+    none of the flush (a flush of outbox objects alone writes from before_flush, which
+    SQLAlchemy does not roll back)."""
+    taken = uuid.uuid4()
+    with factory() as session, session.begin():
+        session.add(Dispatch("send_welcome", tenant_id=1, run_id=taken))
+    with factory() as session:
+        session.add(Dispatch("audit", tenant_id=2))
+        session.add(Publish("user.created", {"user_id": 1}, tenant_id=2))
+        session.add(Group([Dispatch("audit", tenant_id=3)], on_complete=Dispatch("audit", tenant_id=3)))
+        session.add(Dispatch("audit", tenant_id=1, run_id=taken))
+        with pytest.raises(errors.InvalidDispatch, match="already belongs"):
+            session.flush()
+        session.commit()
+    assert [row.run_id for row in runs(engine)] == [taken]
+    assert count(engine, "outbox_messages") == 1
+    assert count(engine, "task_groups") == 0
 
 
 def test_caller_chosen_run_id_is_quietly_deduplicated(

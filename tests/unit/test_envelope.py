@@ -227,6 +227,36 @@ def test_dumps_writes_floats_that_read_back_as_the_same_numbers(value: object) -
     assert json.loads(envelope.dumps(value)) == value
 
 
+def test_what_a_subclass_hides_from_the_walk_or_fails_to_give_is_refused() -> None:
+    """A subclass read twice (by the walk, then by json) that shows a NaN only the second
+    time, one whose __class__ claims to be int, and one whose own methods fail: refused,
+    never written."""
+
+    class Fickle(dict):  # type: ignore[type-arg]
+        reads = 0
+
+        def items(self):  # type: ignore[no-untyped-def]
+            Fickle.reads += 1
+            return [("a", 1.0 if Fickle.reads == 1 else float("nan"))]
+
+    class Disguised(list):  # type: ignore[type-arg]
+        __class__ = property(lambda self: int)  # type: ignore[assignment]
+
+    class Broken(dict):  # type: ignore[type-arg]
+        def items(self):  # type: ignore[no-untyped-def]
+            return [("a", 1, "extra")]
+
+    with pytest.raises(errors.PayloadNotSerializable, match="not JSON compliant"):
+        envelope.encode_payload("t", {"x": Fickle(a=1.0)})
+    with pytest.raises(errors.PayloadNotSerializable, match=r"inf at \$\.x\[0\]"):
+        envelope.encode_payload("t", {"x": Disguised([float("inf")])})
+    with pytest.raises(errors.PayloadNotSerializable, match="key 1 \\(int\\)"):
+        envelope.encode_payload("t", {"x": Disguised([{1: 2}])})
+    with pytest.raises(errors.PayloadNotSerializable, match="unpack") as caught:
+        envelope.encode_payload("send_welcome", [Broken(a=1)])
+    assert caught.value.task == "send_welcome"
+
+
 def test_dumps_falls_back_to_json_for_what_orjson_refuses() -> None:
     class Ratio(float):
         pass
