@@ -258,7 +258,7 @@ class Dispatch(_Scheduled):
         run_id: uuid.UUID | None = None,
         priority: int | None = None,
     ) -> None:
-        if type(task) is not str and isinstance(task, str):
+        if isinstance(task, str):
             task = _exact_str(task)
         if not is_name(task):
             raise errors.InvalidDispatch(

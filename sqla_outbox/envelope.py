@@ -193,13 +193,14 @@ def dumps(value: Any) -> str:
     try:
         text = orjson.dumps(value, option=orjson.OPT_PASSTHROUGH_SUBCLASS).decode()
     except TypeError:  # orjson.JSONEncodeError: a subclass, beyond 64-bit integers, lone surrogates
-        return dumps_json(value)
+        return _by_json_module(value, allow_nan=True)
     return _carried(text)
 
 
-def dumps_json(value: Any) -> str:
-    """:func:`dumps` by the ``json`` module alone (reads every container as ``json`` does)."""
-    return _carried(_JSON_MODULE_ENCODER.encode(value))
+def _by_json_module(value: Any, *, allow_nan: bool) -> str:
+    """:func:`dumps` by the ``json`` module alone (it reads every container through its
+    ``items()``/``__iter__``); ``allow_nan=False`` raises ``ValueError`` on NaN/Infinity."""
+    return _carried((_JSON_MODULE_ENCODER if allow_nan else _STRICT_JSON_MODULE_ENCODER).encode(value))
 
 
 def _carried(text: str) -> str:
@@ -305,12 +306,10 @@ def encode_payload(task: str, payload: Any) -> str:
             (``$.items[2]``) and type.
     """
     try:
-        exact = _check_plain_json(task, payload)  # first: dumps writes a NaN it is given as null
-        if exact:
+        if _check_plain_json(task, payload):  # first: dumps writes a NaN it is given as null
             return dumps(payload)
-        # a subclass's items()/__iter__ run again here: the strict encoder refuses a NaN
-        # they did not show the walk
-        return _carried(_STRICT_JSON_MODULE_ENCODER.encode(payload))
+        # a subclass's items()/__iter__ run again here: strict, for a NaN they did not show the walk
+        return _by_json_module(payload, allow_nan=False)
     except errors.PayloadNotSerializable:
         raise
     except (ValueError, TypeError, RecursionError) as exc:  # a subclass's own methods failed
@@ -336,8 +335,8 @@ _FLAT_VALUE_TYPES = frozenset({str, int, bool, type(None)})
 flat object: the common payload, checked in one pass."""
 
 _EXACT_TYPES = frozenset({dict, list, tuple, str, int, float, bool, type(None)})
-"""The built-in types :func:`dumps` gives to ``orjson``; a payload holding anything else
-(a subclass) is encoded by :func:`dumps_json`."""
+"""The built-in types :func:`encode_payload` gives to ``orjson``; a payload holding anything
+else (a subclass, an ``Enum`` member) is encoded by the ``json`` module."""
 
 
 def _check_plain_json(task: str, payload: Any) -> bool:

@@ -199,6 +199,10 @@ _FIND_BY_ID = text("SELECT run_id, task, tenant_id FROM task_runs WHERE run_id =
 
 _Key = tuple[str, int | None, str]
 
+_INSERT_ATTEMPTS = 3
+"""INSERTs a flush tries for a keyed run whose rival finishes between the INSERT and the
+lookup that resolves it; after that, :class:`~sqla_outbox.errors.IdempotencyKeyContended`."""
+
 
 def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: bool = False) -> int:
     """Insert the prepared runs and their outbox rows; set each run's ``resolved_run_id``.
@@ -262,7 +266,7 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
     inserted_ids: list[uuid.UUID] = []  # taken back if this call fails after writing
     pending = unique
     try:
-        for _ in range(3):
+        for _ in range(_INSERT_ATTEMPTS):
             if not pending and not fanouts:
                 break
             inserted = set()
@@ -308,7 +312,7 @@ def _write_single(connection: Connection, run: PreparedRun, notify: bool) -> int
     flush, per-run sets and lists: about 20,000 instructions of a one-dispatch transaction's
     450,000, ``docs/benchmarks.md``, issue 17 part 4, fifth pass)."""
     pending = [run]
-    for _ in range(3):  # as write_runs: a keyed rival may finish between two statements
+    for _ in range(_INSERT_ATTEMPTS):  # as write_runs
         if _execute(connection, pending, (), notify):
             run.resolved_run_id = run.run_id
             run.deduplicated = False
@@ -353,8 +357,8 @@ def _contended(run: PreparedRun) -> errors.IdempotencyKeyContended:
     return errors.IdempotencyKeyContended(
         run.task,
         "the run holding this idempotency key finished between the INSERT and the lookup "
-        "three times in a row (another process keeps dispatching and finishing it); nothing "
-        "of this flush was written: retry the transaction",
+        f"{_INSERT_ATTEMPTS} times in a row (another process keeps dispatching and finishing it); "
+        "nothing of this flush was written: retry the transaction",
     )
 
 

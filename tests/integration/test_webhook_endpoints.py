@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -313,3 +314,24 @@ def test_assert_published_counts_subscribers_not_deliveries(
     assert_published(engine, "order.paid", payload={"order_id": 5}, subscribers=["send_welcome"], count=1)
     deliveries = assert_dispatched(engine, "webhooks.deliver", tenant_id=1)
     assert len(deliveries) == 2
+
+
+def test_a_refused_flush_takes_back_its_webhook_deliveries_too(
+    app: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """The flush's statement wrote the deliveries and the other subscriber's run before the
+    run_id of another task's run was found: none of it stays, even when the error is caught
+    and the transaction committed."""
+    add_endpoints(app, webhooks.new_endpoint(tenant_id=1, url="https://a.example/in", events=["order.paid"]))
+    taken = uuid.uuid4()
+    with app() as session, session.begin():
+        session.add(Dispatch("audit", tenant_id=1, run_id=taken))
+    with app() as session:
+        session.add(Publish("order.paid", {"order_id": 7}, tenant_id=1))
+        session.add(Dispatch("send_welcome", tenant_id=1, run_id=taken))
+        with pytest.raises(errors.InvalidDispatch, match="already belongs"):
+            session.flush()
+        session.commit()
+    assert delivery_rows(engine) == []
+    assert [row.run_id for row in support.runs(engine)] == [taken]
+    assert support.count(engine, "outbox_messages") == 1
