@@ -45,6 +45,15 @@ Batch sides (``--batch-txns`` transactions of ``--batch`` runs each):
 
 Each side starts from truncated tables (not timed). PostgreSQL runs with its stock
 settings (``synchronous_commit=on``), so every commit waits for a WAL flush.
+
+``--block N`` interleaves the single-row sides more finely: a round truncates once, then
+runs every side ``N`` transactions at a time, in rotating order, until each has run
+``--txns``; a side's figure is its transactions over the time its own blocks took. On a
+machine whose WAL flush time wanders from second to second (a shared disk), a side
+measured in one piece of about a second meets a slow or a fast stretch alone, and the
+per-round ratios scatter (0.73 to 1.12 for the same code, seen here); in blocks of 10
+each stretch is shared by all sides. The default, 0, runs each side in one piece, as
+before.
 """
 
 from __future__ import annotations
@@ -137,6 +146,12 @@ def main() -> None:
         "--batch-txns", type=int, default=10, help="batch transactions per side per round (default 10)"
     )
     p.add_argument("--no-peers", action="store_true", help="skip procrastinate")
+    p.add_argument(
+        "--block",
+        type=int,
+        default=0,
+        help="interleave the single-row sides N transactions at a time (default 0: each side in one piece)",
+    )
     args = p.parse_args()
 
     import sqla_outbox
@@ -144,7 +159,13 @@ def main() -> None:
     report = common.Report(
         "bench_dispatch",
         args,
-        {"rounds": args.rounds, "txns": args.txns, "batch": args.batch, "batch_txns": args.batch_txns},
+        {
+            "rounds": args.rounds,
+            "txns": args.txns,
+            "batch": args.batch,
+            "batch_txns": args.batch_txns,
+            "block": args.block,
+        },
     )
     with common.bench_database(args, "bench_dispatch") as db:
         engine = common.one_connection_engine(db.url)
@@ -168,16 +189,19 @@ def main() -> None:
                     _TRUNCATE + (", procrastinate_jobs" if peers else "") + " RESTART IDENTITY CASCADE"
                 )
 
-        def single(factory: sessionmaker[Session], extra: Any = None) -> float:
-            truncate()
-            n = args.txns
+        def txns(factory: sessionmaker[Session], extra: Any, first: int, n: int) -> float:
+            """Run ``n`` single-row transactions; the seconds they took."""
             started = time.perf_counter()
-            for i in range(n):
+            for i in range(first, first + n):
                 with factory() as session, session.begin():
                     session.add(_order(i))
                     if extra is not None:
                         extra(session, i)
-            return n / (time.perf_counter() - started)
+            return time.perf_counter() - started
+
+        def single(factory: sessionmaker[Session], extra: Any = None) -> float:
+            truncate()
+            return args.txns / txns(factory, extra, 0, args.txns)
 
         def defer(session: Session, i: int) -> None:
             raw = session.connection().connection.driver_connection
@@ -210,20 +234,44 @@ def main() -> None:
                     conn.execute(_OUTBOX_INSERT, rows)
             return args.batch * args.batch_txns / (time.perf_counter() - started)
 
-        sides: dict[str, Any] = {
-            "orm_plain": lambda: single(plain),
-            "orm": lambda: single(installed),
-            "orm+dispatch": lambda: single(installed, add_dispatch),
-            "orm+dispatch(nowake)": lambda: single(nowake, add_dispatch),
-            "orm+cte(floor)": lambda: single(plain, floor_cte),
+        def interleaved(steps: dict[str, tuple[sessionmaker[Session], Any]]) -> dict[str, list[float]]:
+            """``--block``: each round, every side ``args.block`` transactions at a time."""
+            names = list(steps)
+            out: dict[str, list[float]] = {name: [] for name in names}
+            for r in range(args.rounds):
+                truncate()
+                spent = dict.fromkeys(names, 0.0)
+                done = 0
+                for b in range(-(-args.txns // args.block)):
+                    n = min(args.block, args.txns - done)
+                    k = (r + b) % len(names)
+                    for name in names[k:] + names[:k]:
+                        spent[name] += txns(*steps[name], done, n)
+                    done += n
+                for name in names:
+                    out[name].append(args.txns / spent[name])
+                    print(f"  round {r + 1}/{args.rounds} {name}: {out[name][-1]:,.1f}", flush=True)
+            return out
+
+        steps: dict[str, tuple[sessionmaker[Session], Any]] = {
+            "orm_plain": (plain, None),
+            "orm": (installed, None),
+            "orm+dispatch": (installed, add_dispatch),
+            "orm+dispatch(nowake)": (nowake, add_dispatch),
+            "orm+cte(floor)": (plain, floor_cte),
         }
         if peers:
-            sides["orm+procrastinate"] = lambda: single(plain, defer)
+            steps["orm+procrastinate"] = (plain, defer)
         # warm-up (connection, statement caches, JIT-free but cache-warm)
-        for side in sides.values():
-            side()
+        for factory, extra in steps.values():
+            single(factory, extra)
         print("single-row transactions (txn/s):", flush=True)
-        singles = common.alternate(args.rounds, sides)
+        if args.block > 0:
+            singles = interleaved(steps)
+        else:
+            singles = common.alternate(
+                args.rounds, {name: (lambda step=step: single(*step)) for name, step in steps.items()}
+            )
         print("batches (runs/s):", flush=True)
         dispatch_batch()
         executemany_batch()
