@@ -1,7 +1,8 @@
 """Figure 1 — dispatch overhead: what a ``Dispatch`` adds to the application's transaction.
 
 Everything runs on ONE database connection (an engine with a pool of one), in one
-process, each side once per round in rotating order, ``--rounds`` rounds (short sides,
+process, each side once per round in rotating order (without ``--block``; see below),
+``--rounds`` rounds (short sides,
 many rounds: a load burst from other work then hits few rounds). A side's figure is the
 median over rounds of its transactions per second; a ratio is the median over rounds of
 the ratio within each round.
@@ -43,17 +44,22 @@ Batch sides (``--batch-txns`` transactions of ``--batch`` runs each):
     rows (envelopes built with ``json.dumps``) by hand with two ``executemany`` calls:
     the floor for writing those rows. Reported as runs/s; ratio dispatch / executemany.
 
-Each side starts from truncated tables (not timed). PostgreSQL runs with its stock
-settings (``synchronous_commit=on``), so every commit waits for a WAL flush.
+Without ``--block``, each side starts from truncated tables (not timed). PostgreSQL runs
+with its stock settings (``synchronous_commit=on``), so every commit waits for a WAL flush.
 
 ``--block N`` interleaves the single-row sides more finely: a round truncates once, then
-runs every side ``N`` transactions at a time, in rotating order, until each has run
-``--txns``; a side's figure is its transactions over the time its own blocks took. On a
-machine whose WAL flush time wanders from second to second (a shared disk), a side
-measured in one piece of about a second meets a slow or a fast stretch alone, and the
-per-round ratios scatter (0.73 to 1.12 for the same code, seen here); in blocks of 10
-each stretch is shared by all sides. The default, 0, runs each side in one piece, as
-before.
+runs every side ``N`` transactions at a time until each has run ``--txns``; a side's
+figure is its transactions over the time its own blocks took. The side that starts a
+cycle of blocks moves on by one at every cycle, across rounds, so every side starts
+equally often over the run (within a round only when the number of blocks is a multiple
+of the number of sides). After each block the waker's pending push is waited for, untimed
+(as the truncate between whole sides does), so a dispatch block's last wake is not charged
+to the side after it. On a machine whose commit time wanders from one second to the next,
+a side measured in one piece of half a second to a second meets a slow or a fast stretch
+alone: the medians of 5 per-round ratios scattered from 0.73 to 1.12 for the same code
+(``results/issue17/ab_dispatch_floor_10.json``); in blocks of 10 every stretch is shared by
+all sides. The default, 0, runs each side in one piece, as before. ``N`` larger than
+``--txns`` is taken as ``--txns`` (and recorded so).
 """
 
 from __future__ import annotations
@@ -153,6 +159,9 @@ def main() -> None:
         help="interleave the single-row sides N transactions at a time (default 0: each side in one piece)",
     )
     args = p.parse_args()
+    if args.block < 0:
+        p.error("--block must be 0 (whole sides) or a number of transactions")
+    args.block = min(args.block, args.txns)
 
     import sqla_outbox
 
@@ -175,6 +184,9 @@ def main() -> None:
         cat = common.catalog()
         sqla_outbox.install(installed, common.settings(db, args.redis_url), catalog=cat)
         sqla_outbox.install(nowake, common.settings(db, None, wake_mode="none"), catalog=cat)
+        installation = sqla_outbox.installation_for(installed)
+        assert installation is not None
+        waker = installation.waker
         peers = not args.no_peers
         app: Any = None
         if peers:
@@ -238,15 +250,18 @@ def main() -> None:
             """``--block``: each round, every side ``args.block`` transactions at a time."""
             names = list(steps)
             out: dict[str, list[float]] = {name: [] for name in names}
+            cycle = 0  # which side starts: moves on by one per cycle, across rounds
             for r in range(args.rounds):
                 truncate()
                 spent = dict.fromkeys(names, 0.0)
                 done = 0
-                for b in range(-(-args.txns // args.block)):
+                while done < args.txns:
                     n = min(args.block, args.txns - done)
-                    k = (r + b) % len(names)
+                    k = cycle % len(names)
+                    cycle += 1
                     for name in names[k:] + names[:k]:
                         spent[name] += txns(*steps[name], done, n)
+                        waker.drain(1.0)  # untimed: the block's last wake is its own
                     done += n
                 for name in names:
                     out[name].append(args.txns / spent[name])
@@ -298,7 +313,9 @@ def main() -> None:
         for name, values in singles.items()
     ]
     report.table(
-        f"Single-row transactions, one connection ({args.txns} txns/side/round, median of {args.rounds})",
+        f"Single-row transactions, one connection ({args.txns} txns/side/round"
+        + (f" in blocks of {args.block}" if args.block else "")
+        + f", median of {args.rounds})",
         ["side", "txn/s (median)", "min", "max", "vs orm", "ms/txn"],
         rows,
     )
