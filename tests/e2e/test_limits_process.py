@@ -238,7 +238,11 @@ def test_breaker_opens_on_failures_fails_fast_and_closes_after_probes(
     """Breaker ``stub-api`` (3 failures → open 3 s → 2 successes close it), shared by
     ``limits.charge`` and ``limits.refund`` on two workers: after three 500s it opens, the
     stub gets no request while it is open, runs wait in the outbox with no attempt spent,
-    and once the stub answers again the half-open probes close it and every run succeeds."""
+    and once the stub answers again the half-open probes close it and every run succeeds.
+
+    A retry admitted while the breaker was still closed may reach the stub just after the
+    third failure opened it (on a slow machine it did: a fourth request); so the count is
+    read once such calls are done, and bounded: at most one more per failing run."""
     stub = FailingStub()
     try:
         services("relay")
@@ -246,8 +250,9 @@ def test_breaker_opens_on_failures_fails_fast_and_closes_after_probes(
         workers = [services("worker", **env), services("worker", **env)]
         failing = [dispatch(app, "limits.charge") for _ in range(3)]
         wait_for(lambda: any(w.actions("breaker.open") for w in workers), timeout=30)
+        time.sleep(0.5)  # calls admitted before it opened finish (the stub answers at once)
         seen = len(stub.requests)
-        assert seen == 3
+        assert len(failing) <= seen <= 2 * len(failing)
         waiting = [dispatch(app, "limits.charge"), dispatch(app, "limits.refund")]
         wait_for(lambda: all(deferrals(engine, r, "breaker-open") >= 1 for r in waiting), timeout=20)
         time.sleep(1.0)
@@ -258,7 +263,8 @@ def test_breaker_opens_on_failures_fails_fast_and_closes_after_probes(
         actions = {a["action"] for w in workers for name in names for a in w.actions(name)}
         assert actions == set(names)
         assert all(run_row(engine, r).attempts == 1 for r in waiting)  # fast fails spent no attempt
-        assert all(run_row(engine, r).attempts == 2 for r in failing)  # one real failure each
+        # every request the stub refused was one failed attempt, then one success each
+        assert sum(run_row(engine, r).attempts for r in failing) == seen + len(failing)
         assert no_dead_letters(sqs, queues)
     finally:
         stub.close()
