@@ -5,13 +5,14 @@
 
 On a shared 2-core machine the throughput of ``bench_dispatch.py`` moves by several per
 cent from one round to the next, more than what separates dispatch from its floor. This
-script counts instead: each side of ``bench_dispatch.py`` (``orm``, ``orm+cte(floor)``,
-``orm+dispatch(nowake)``) runs in its own process under Valgrind's callgrind, which counts
+script counts instead: each side of ``bench_dispatch.py`` (``orm_plain``, ``orm``,
+``orm+cte(floor)``, ``orm+dispatch(nowake)``) runs in its own process under Valgrind's callgrind, which counts
 the instructions the process executes (this process only: PostgreSQL's work is not in
 it). Each side runs twice, with ``--warm`` and with ``--warm + --txns`` transactions, and
 the difference divided by ``--txns`` is its instructions per transaction (start-up,
 imports and the database set-up cancel out). ``PYTHONHASHSEED=0`` keeps dict and set
-layouts the same from run to run; what remains differs by about 0.5 % between runs.
+layouts the same from run to run; what remains differs by up to about 0.5 % (some
+8,000 instructions per transaction) between runs.
 
 Printed: instructions per transaction per side, what the floor and the dispatch add to the
 ORM-only transaction, and dispatch / floor in instructions. The wake is left out (its
@@ -31,7 +32,7 @@ from typing import Any
 
 import _common as common
 
-SIDES = ("orm", "orm+cte(floor)", "orm+dispatch(nowake)")
+SIDES = ("orm_plain", "orm", "orm+cte(floor)", "orm+dispatch(nowake)")
 
 
 def run_side(side: str, txns: int) -> None:
@@ -49,6 +50,7 @@ def run_side(side: str, txns: int) -> None:
         installed = sessionmaker(engine)
         sqla_outbox.install(installed, common.settings(db, None, wake_mode="none"), catalog=common.catalog())
         factory, extra = {
+            "orm_plain": (plain, None),
             "orm": (installed, None),
             "orm+cte(floor)": (plain, floor_cte),
             "orm+dispatch(nowake)": (installed, add_dispatch),
