@@ -183,8 +183,9 @@ class OutboxSettings:
         "Visibility timeouts per queue as `name=seconds`, comma-separated "
         "(`reminders=3600,critical=90`): any queue, a catalog-declared one (overriding its "
         "`visibility_timeout_seconds`) or one of the four (overriding "
-        "`visibility_timeout_<queue>_seconds`). 0..43200 s each (SQS VisibilityTimeout). "
-        "Applied by `provision`; workers read each queue's actual value at start.",
+        "`visibility_timeout_<queue>_seconds`). 0..43200 s each (SQS VisibilityTimeout); the "
+        "queue's DLQ gets the same value. Applied by `provision`; workers read each queue's "
+        "actual value at start.",
         unit="s",
     )
     sqs_managed_sse: bool = _setting(
@@ -311,8 +312,8 @@ class OutboxSettings:
         4,
         "Most PostgreSQL connections a worker process holds for its own SQL and its handlers' "
         "sessions (one pool for sync handlers, one more of the same size once an async handler "
-        "runs; no overflow). A checkout waits when all are busy. Little's law sizes it: runs/s "
-        "per worker x seconds a run holds a connection (see docs/deployment.md).",
+        "runs; no overflow). A checkout waits when all are busy. 1..1000. Little's law sizes "
+        "it: runs/s per worker x seconds a run holds a connection (see docs/deployment.md).",
     )
     worker_stop_budget_seconds: float = _setting(
         20.0,

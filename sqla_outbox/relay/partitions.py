@@ -130,8 +130,10 @@ class ActiveRelay:
         relay_partitions: The ``relay_partitions`` it runs with.
         partitions: The partitions it owns (``[0]`` for the active relay with
             ``relay_partitions`` 1; empty for a relay waiting for a share).
-        due: Unsent, unparked rows already due in the partitions it owns (held and paused
-            rows included); None when not read.
+        due: Unsent, unparked rows already due in the partitions it owns; None when not
+            read. Rows held for want of a live worker or by a pause are not due: holding
+            moves their ``available_at`` forward (:mod:`sqla_outbox.relay.hold`,
+            :mod:`sqla_outbox.relay.pauses`).
         oldest_due_age_seconds: How long the oldest of them has been due (seconds); None
             when there is none or it was not read. A relay whose due rows keep ageing while
             the others' do not is the one to look at (hung, or throttled by SQS).
