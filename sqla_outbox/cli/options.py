@@ -16,6 +16,7 @@ import datetime as dt
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -300,6 +301,31 @@ def install_stop_signals(stop: Callable[[], None]) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+
+
+def take_early_stops() -> threading.Event:
+    """Until a service's own stop handling takes SIGTERM/SIGINT over, record the first of
+    them instead of dying by its default action (during start-up: settings, the task
+    modules' imports, the database check); the worker or relay then stops as soon as it
+    starts, receiving or claiming nothing. A second one ends the process by the default
+    action (exit status 143 for SIGTERM), so a start-up that hangs still yields to a
+    repeated stop.
+
+    Returns:
+        The event the first signal sets.
+    """
+    requested = threading.Event()
+
+    def record(signum: int, frame: Any) -> None:
+        if requested.is_set():
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        requested.set()
+
+    signal.signal(signal.SIGTERM, record)
+    signal.signal(signal.SIGINT, record)
+    return requested
 
 
 # --- connections for the operations commands -------------------------------------------------

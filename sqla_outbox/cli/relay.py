@@ -20,6 +20,7 @@ from sqla_outbox.cli.options import (
     load_settings,
     setting,
     setup_logging,
+    take_early_stops,
 )
 from sqla_outbox.cli.terminal import echo, print_check_report, print_json
 
@@ -46,6 +47,7 @@ def relay_command(
     """Move committed outbox rows to SQS (one active relay, others stand by; with
     relay_partitions > 1, every relay active on a share of the outbox)."""
     setup_logging(verbose, log_format)
+    stop_requested = None if once or check else take_early_stops()
     with handle_errors(traceback):
         settings = load_settings(**options)
         if check:
@@ -87,6 +89,8 @@ def relay_command(
             )
             probe.start()
         install_stop_signals(relay.stop)
+        if stop_requested is not None and stop_requested.is_set():
+            relay.stop()  # asked for during start-up: stop before the first pass
         try:
             relay.run()
         except Abandon:

@@ -19,6 +19,7 @@ from sqla_outbox.cli.options import (
     setting,
     setup_logging,
     split_list,
+    take_early_stops,
 )
 from sqla_outbox.cli.terminal import print_check_report
 
@@ -42,6 +43,7 @@ def worker_command(
 ) -> None:
     """Run task handlers from SQS: heartbeats, retries, DLQ, run history, graceful stop."""
     setup_logging(verbose, log_format)
+    stop_requested = None if check else take_early_stops()
     with handle_errors(traceback):
         settings = load_settings(**options)
         from sqla_outbox.worker.consumer import Worker, import_task_modules
@@ -78,7 +80,7 @@ def worker_command(
             )
             probe.start()
         try:
-            worker.run()
+            worker.run(stop_requested=stop_requested)
         finally:
             if probe is not None:
                 probe.stop()

@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -244,20 +245,28 @@ class Worker:
     def is_alive(self) -> bool:
         return time.monotonic() - self._beat_at < 30
 
-    def run(self, *, handle_signals: bool = True) -> None:
+    def run(self, *, handle_signals: bool = True, stop_requested: threading.Event | None = None) -> None:
         """Run until stopped. Returns after a graceful shutdown.
+
+        Args:
+            handle_signals: Take SIGTERM/SIGINT as a graceful stop (the main thread only).
+            stop_requested: Set when a stop was asked for before the worker's event loop
+                took the signals over (the CLI's start-up: settings, task imports); the
+                worker then stops as soon as it starts, receiving nothing.
 
         Raises:
             ConfigurationError: A consumed queue does not exist, or bad settings.
         """
-        asyncio.run(self._main(handle_signals))
+        asyncio.run(self._main(handle_signals, stop_requested))
 
-    async def _main(self, handle_signals: bool) -> None:
+    async def _main(self, handle_signals: bool, stop_requested: threading.Event | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
         if handle_signals:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(signum, self._stop_event.set)
+        if stop_requested is not None and stop_requested.is_set():  # checked once the loop has them
+            self._stop_event.set()
         if not await self._resolve_queues_patiently():
             return
         if self.settings.worker_run_relay:

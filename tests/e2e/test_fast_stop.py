@@ -50,6 +50,34 @@ def test_an_idle_worker_stops_within_two_seconds(
         worker.kill()
 
 
+def test_a_sigterm_during_start_up_is_a_graceful_stop(
+    settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]
+) -> None:
+    """A SIGTERM while the worker still imports its task modules is kept for the moment
+    its loop starts (exit 0, stopped before receiving), not the default action (exit 143);
+    a second one during start-up ends it at once, so a hung start-up still yields."""
+    imports = "tests.e2e.worker_tasks,tests.e2e.slow_import_tasks"
+    worker = start_worker(settings, sqs_endpoint, name="early", imports=imports, SLOW_IMPORT_SECONDS="3")
+    try:
+        time.sleep(1.5)  # the interpreter is up, the slow module is being imported
+        assert worker.process.poll() is None
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.process.wait(30) == 0
+        assert worker.actions("worker.stopped")
+    finally:
+        worker.kill()
+    twice = start_worker(settings, sqs_endpoint, name="early2", imports=imports, SLOW_IMPORT_SECONDS="30")
+    try:
+        time.sleep(1.5)
+        twice.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert twice.process.poll() is None  # the first one is kept for the loop
+        twice.process.send_signal(signal.SIGTERM)
+        assert twice.process.wait(10) == -signal.SIGTERM
+    finally:
+        twice.kill()
+
+
 def test_a_busy_worker_stop_is_bounded_by_its_budget(
     app: sessionmaker[Session],
     engine: sa.Engine,
