@@ -287,45 +287,44 @@ class Abandon(BaseException):
     """Raised by a second SIGTERM/SIGINT: abandon the work in progress now."""
 
 
-def install_stop_signals(stop: Callable[[], None]) -> None:
-    """First SIGTERM/SIGINT calls ``stop`` (finish cleanly); a second one raises
-    :class:`Abandon` in the main thread."""
-    received = {"count": 0}
+class StopSignals:
+    """SIGTERM/SIGINT as a graceful stop, from the moment a service command starts.
 
-    def handler(signum: int, frame: Any) -> None:
-        received["count"] += 1
-        if received["count"] == 1:
-            stop()
-        else:
-            raise Abandon
+    Made at the start of the command, before settings, task imports and the database
+    check: the first signal sets :attr:`requested` instead of ending the process by its
+    default action. Once the service exists, :meth:`attach` gives it its ``stop`` (called
+    at once if a signal came during start-up); then a second signal raises
+    :class:`Abandon` in the main thread. A second signal before :meth:`attach` ends the
+    process by the default action (exit status 143 for SIGTERM), so a start-up that hangs
+    still yields to a repeated stop. The worker's event loop takes the signals over itself
+    and reads :attr:`requested` (``Worker.run(stop_requested=...)``).
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-
-
-def take_early_stops() -> threading.Event:
-    """Until a service's own stop handling takes SIGTERM/SIGINT over, record the first of
-    them instead of dying by its default action (during start-up: settings, the task
-    modules' imports, the database check); the worker or relay then stops as soon as it
-    starts, receiving or claiming nothing. A second one ends the process by the default
-    action (exit status 143 for SIGTERM), so a start-up that hangs still yields to a
-    repeated stop.
-
-    Returns:
-        The event the first signal sets.
+    Attributes:
+        requested: Set by the first signal.
     """
-    requested = threading.Event()
 
-    def record(signum: int, frame: Any) -> None:
-        if requested.is_set():
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self._stop: Callable[[], None] | None = None
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def attach(self, stop: Callable[[], None]) -> None:
+        """From now on the first signal calls ``stop``; called at once if one came already."""
+        self._stop = stop
+        if self.requested.is_set():
+            stop()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.requested.is_set():
+            self.requested.set()
+            if self._stop is not None:
+                self._stop()
             return
-        requested.set()
-
-    signal.signal(signal.SIGTERM, record)
-    signal.signal(signal.SIGINT, record)
-    return requested
+        if self._stop is not None:
+            raise Abandon
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 # --- connections for the operations commands -------------------------------------------------

@@ -14,13 +14,12 @@ from sqla_outbox.cli.options import (
     EXIT_CONNECT,
     EXIT_OK,
     Abandon,
+    StopSignals,
     common_options,
     handle_errors,
-    install_stop_signals,
     load_settings,
     setting,
     setup_logging,
-    take_early_stops,
 )
 from sqla_outbox.cli.terminal import echo, print_check_report, print_json
 
@@ -47,7 +46,7 @@ def relay_command(
     """Move committed outbox rows to SQS (one active relay, others stand by; with
     relay_partitions > 1, every relay active on a share of the outbox)."""
     setup_logging(verbose, log_format)
-    stop_requested = None if once or check else take_early_stops()
+    signals = None if once or check else StopSignals()
     with handle_errors(traceback):
         settings = load_settings(**options)
         if check:
@@ -88,9 +87,8 @@ def relay_command(
                 settings.health_port, ready=lambda: not relay.stopping, host=settings.health_host
             )
             probe.start()
-        install_stop_signals(relay.stop)
-        if stop_requested is not None and stop_requested.is_set():
-            relay.stop()  # asked for during start-up: stop before the first pass
+        assert signals is not None  # --check and --once have returned
+        signals.attach(relay.stop)  # a stop asked for during start-up: before the first pass
         try:
             relay.run()
         except Abandon:

@@ -13,13 +13,13 @@ from sqla_outbox.cli.options import (
     EXIT_CONFIG,
     EXIT_CONNECT,
     EXIT_OK,
+    StopSignals,
     common_options,
     handle_errors,
     load_settings,
     setting,
     setup_logging,
     split_list,
-    take_early_stops,
 )
 from sqla_outbox.cli.terminal import print_check_report
 
@@ -43,7 +43,7 @@ def worker_command(
 ) -> None:
     """Run task handlers from SQS: heartbeats, retries, DLQ, run history, graceful stop."""
     setup_logging(verbose, log_format)
-    stop_requested = None if check else take_early_stops()
+    signals = None if check else StopSignals()
     with handle_errors(traceback):
         settings = load_settings(**options)
         from sqla_outbox.worker.consumer import Worker, import_task_modules
@@ -67,6 +67,7 @@ def worker_command(
             logging.getLogger("sqla_outbox.worker").warning(
                 warning, extra=log_extra(action="worker.preflight")
             )
+        assert signals is not None  # --check has returned
         worker = Worker(settings)
         probe = None
         if settings.health_port is not None:
@@ -80,7 +81,7 @@ def worker_command(
             )
             probe.start()
         try:
-            worker.run(stop_requested=stop_requested)
+            worker.run(stop_requested=signals.requested)
         finally:
             if probe is not None:
                 probe.stop()

@@ -259,7 +259,7 @@ class Worker:
         """
         asyncio.run(self._main(handle_signals, stop_requested))
 
-    async def _main(self, handle_signals: bool, stop_requested: threading.Event | None = None) -> None:
+    async def _main(self, handle_signals: bool, stop_requested: threading.Event | None) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
         if handle_signals:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -404,3 +406,29 @@ def test_partitioned_relays_share_the_outbox_and_take_over_a_killed_ones_partiti
     finally:
         first.kill()
         assert second.terminate() == 0
+
+
+def test_a_sigterm_during_start_up_is_a_graceful_stop(
+    settings: OutboxSettings, sqs_endpoint: str, tmp_path: Any
+) -> None:
+    """The relay reads its catalog while it starts: a catalog path that is a FIFO holds it
+    there until the test writes the catalog. A SIGTERM meanwhile is kept, and the relay
+    stops before its first pass (exit 0, never active) instead of dying by the default
+    action (exit 143)."""
+    fifo = tmp_path / "catalog.fifo"
+    os.mkfifo(fifo)
+    relay = start_relay(settings, sqs_endpoint, name="early", SQLA_OUTBOX_CATALOG_PATH=str(fifo))
+    try:
+        time.sleep(1.5)  # the interpreter is up and waits for the catalog
+        assert relay.process.poll() is None
+        relay.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert relay.process.poll() is None  # kept, not the default action
+        writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO if the relay is gone
+        with os.fdopen(writer, "w") as catalog:
+            catalog.write(Path(settings.catalog_path).read_text())
+        assert relay.process.wait(30) == 0
+        assert relay.actions("relay.stopped")
+        assert not relay.actions("relay.leader")
+    finally:
+        relay.kill()

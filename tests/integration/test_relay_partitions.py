@@ -193,9 +193,9 @@ def test_a_valkey_wake_reaches_every_active_relay(
     owns no partition passes on what it pops too."""
     assert partitioned.wake_channels == {"valkey"}
     # relays also pass at each rebalance (every 10 s here): a relay that the push did not
-    # reach passes within WITHIN of a commit by its own timer with odds WITHIN / 10, so five
-    # rounds in a row within WITHIN, with no wake passed on, happen with odds 0.25 ** 5 for
-    # even one such relay; WITHIN leaves a slow machine (a round took 1.4 s on one) room
+    # reach passes within `within` of a commit by its own timer with odds within / 10, so
+    # five rounds in a row within it, with no wake passed on, happen with odds 0.25 ** 5 for
+    # even one such relay; 2.5 s leaves a slow machine (a round took 1.4 s on one) room
     within = 2.5
     relays = [running(name, relay_standby_poll_seconds=10.0, relay_partitions=partitions) for name in "abc"]
     wait_for_split(relays, timeout=120, partitions=partitions)
