@@ -258,11 +258,12 @@ class Dispatch(_Scheduled):
         run_id: uuid.UUID | None = None,
         priority: int | None = None,
     ) -> None:
-        if isinstance(task, str):
-            task = _exact_str(task)
+        if not isinstance(task, str):
+            raise errors.InvalidDispatch(None, _not_a_name("Dispatch", "task", task))
+        task = _exact_str(task)
         if not is_name(task):
             raise errors.InvalidDispatch(
-                str(task), "task names are 1..200 characters of letters, digits and _ . : -"
+                task, "task names are 1..200 characters of letters, digits and _ . : -"
             )
         self.task = task
         if isinstance(queue, str):
@@ -350,11 +351,12 @@ class Publish(_Scheduled):
         idempotency_key: str | None = None,
         priority: int | None = None,
     ) -> None:
-        if isinstance(event, str):
-            event = _exact_str(event)
+        if not isinstance(event, str):
+            raise errors.InvalidDispatch(None, _not_a_name("Publish", "event", event))
+        event = _exact_str(event)
         if not is_name(event):
             raise errors.InvalidDispatch(
-                str(event), "event names are 1..200 characters of letters, digits and _ . : -"
+                event, "event names are 1..200 characters of letters, digits and _ . : -"
             )
         self.event = event
         self.runs: dict[str, uuid.UUID] = {}
@@ -555,6 +557,9 @@ def map_never_inserted(cls: type, refuse: Any) -> None:
     )
     _registry.map_imperatively(cls, table)
     event.listen(cls, "before_insert", refuse)
+    # SQLAlchemy's instrumented __init__ is named plain "__init__": a wrong keyword would
+    # read "__init__() got an unexpected keyword argument" without saying whose.
+    vars(cls)["__init__"].__qualname__ = f"{cls.__qualname__}.__init__"
 
 
 for _cls in (Dispatch, Publish, Group):
@@ -567,6 +572,14 @@ def scheduled_types() -> tuple[type[_Scheduled], ...]:
 
 
 # --------------------------------------------------------------------------------------
+
+
+def _not_a_name(kind: str, what: str, value: object) -> str:
+    """The message for a task or event name that is not a string at all."""
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return f"{kind}() takes the {what} name (a str) first, got {type(value).__name__} {shown}"
 
 
 def _exact_str(value: str) -> str:

@@ -322,12 +322,51 @@ container, key or index)``. Built as the walk goes (a tuple per value), formatte
 ``$.items[2]`` only for an error message."""
 
 
-def _path(where: _Where) -> str:
-    parts: list[str] = []
+_PATH_SHOWN = 12
+"""Steps of a path an error message shows at each end (a path of hundreds is elided)."""
+
+
+def _keys(where: _Where) -> list[str | int]:
+    """The keys and indexes from the payload down to ``where``."""
+    keys: list[str | int] = []
     while where is not None:
         where, key = where
-        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
-    return "$" + "".join(reversed(parts))
+        keys.append(key)
+    keys.reverse()
+    return keys
+
+
+def _path(where: _Where) -> str:
+    steps = [f"[{key}]" if isinstance(key, int) else f".{key}" for key in _keys(where)]
+    if len(steps) > 2 * _PATH_SHOWN:
+        hidden = len(steps) - 2 * _PATH_SHOWN
+        steps[_PATH_SHOWN:-_PATH_SHOWN] = [f"...({hidden} more)..."]
+    return "$" + "".join(steps)
+
+
+def _too_deep(payload: Any, where: _Where) -> str:
+    """The message for a payload nested past :data:`_MAX_DEPTH`: a reference cycle (a
+    container inside itself) when the path to ``where`` passes one container twice."""
+    keys = _keys(where)
+    seen: dict[int, int] = {}  # id of a container on the path -> how many steps down
+    container = payload
+    try:
+        for step, key in enumerate(keys):
+            if id(container) in seen:
+                inner, outer = _path_of(keys[:step]), _path_of(keys[: seen[id(container)]])
+                return f"payload holds a reference cycle: {inner} is {outer} itself"
+            seen[id(container)] = step
+            container = container[key]
+    except (LookupError, TypeError):  # a subclass whose [] does not give what it iterated
+        pass
+    return f"payload nests deeper than {_MAX_DEPTH} levels at {_path(where)}"
+
+
+def _path_of(keys: list[str | int]) -> str:
+    where: _Where = None
+    for key in keys:
+        where = (where, key)
+    return _path(where)
 
 
 _FLAT_VALUE_TYPES = frozenset({str, int, bool, type(None)})
@@ -354,9 +393,7 @@ def _check_plain_json(task: str, payload: Any) -> bool:
     while stack:
         value, where, depth = pop()
         if depth > _MAX_DEPTH:
-            raise errors.PayloadNotSerializable(
-                task, f"payload nests deeper than {_MAX_DEPTH} levels at {_path(where)}"
-            )
+            raise errors.PayloadNotSerializable(task, _too_deep(payload, where))
         kind = type(value)  # its real type: isinstance() would believe a __class__ property
         if exact and kind not in _EXACT_TYPES:
             exact = False

@@ -81,15 +81,21 @@ class DispatchError(OutboxError):
     """The dispatch was refused; nothing was written.
 
     Attributes:
-        task: The task (or event, for :class:`UnknownEvent`) the dispatch named.
+        task: The task (or event, for :class:`UnknownEvent`) the dispatch named; None when
+            what it was given is not a name at all (``Dispatch(None)``), the message then
+            says what it was.
     """
 
     code = "dispatch"
 
-    def __init__(self, task: str, problem: str) -> None:
+    def __init__(self, task: str | None, problem: str) -> None:
         self.task = task
         self.problem = problem
-        super().__init__(f"task {task!r}: {problem}")
+        if task is None:
+            super().__init__(problem)
+            return
+        shown = task if len(task) <= 80 else task[:77] + "..."  # a 10,000-character "name"
+        super().__init__(f"task {shown!r}: {problem}")
 
 
 class UnknownTask(DispatchError):

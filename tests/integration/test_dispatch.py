@@ -6,6 +6,7 @@ import datetime as dt
 import enum
 import json
 import uuid
+from typing import Any
 
 import pytest
 import redis
@@ -13,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sqla_outbox
-from sqla_outbox import Dispatch, Group, Publish, errors
+from sqla_outbox import Cancel, Dispatch, Group, Publish, errors
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from tests.support import count, drain_wakes, outbox_rows, runs
@@ -534,6 +535,40 @@ def test_bad_options_fail_at_construction_naming_the_task(kwargs, error, fragmen
 def test_bad_task_name_is_refused() -> None:
     with pytest.raises(errors.InvalidDispatch):
         Dispatch("no spaces allowed")
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: Dispatch(None), "Dispatch() takes the task name (a str) first, got NoneType None"),  # type: ignore[arg-type]
+        (lambda: Dispatch(42), "Dispatch() takes the task name (a str) first, got int 42"),  # type: ignore[arg-type]
+        (lambda: Publish(None), "Publish() takes the event name (a str) first, got NoneType None"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_name_that_is_not_a_string_is_named_as_what_it_is(build: Any, message: str) -> None:
+    # not "task 'None': ...", which reads as a task called None
+    with pytest.raises(errors.InvalidDispatch) as caught:
+        build()
+    assert str(caught.value) == message
+    assert caught.value.task is None
+
+
+def test_an_overlong_name_is_shortened_in_the_message_and_kept_whole_on_the_error() -> None:
+    name = "x" * 5000
+    with pytest.raises(errors.InvalidDispatch) as caught:
+        Dispatch(name)
+    assert len(str(caught.value)) < 200
+    assert caught.value.task == name
+
+
+def test_a_wrong_keyword_names_the_class() -> None:
+    # SQLAlchemy's instrumented __init__ is called plain "__init__"
+    with pytest.raises(
+        TypeError, match=r"^Dispatch\.__init__\(\) got an unexpected keyword argument 'tenant'"
+    ):
+        Dispatch("audit", tenant=1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"^Cancel\.__init__\(\) got an unexpected keyword argument"):
+        Cancel(tenant=1)  # type: ignore[call-arg]
 
 
 def test_payload_over_a_raised_limit_is_accepted(

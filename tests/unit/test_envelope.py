@@ -95,6 +95,32 @@ def test_deeply_nested_payload_is_refused_not_crashing() -> None:
         envelope.encode_payload("t", deep)
 
 
+def test_a_reference_cycle_is_named_as_one_with_short_paths() -> None:
+    looped: dict[str, object] = {}
+    looped["self"] = looped
+    with pytest.raises(errors.PayloadNotSerializable) as caught:
+        envelope.encode_payload("t", looped)
+    assert str(caught.value) == "task 't': payload holds a reference cycle: $.self is $ itself"
+    inner: list[object] = [1, {}]
+    outer = {"items": inner}
+    inner[1] = {"back": inner}  # type: ignore[assignment]
+    with pytest.raises(errors.PayloadNotSerializable) as caught:
+        envelope.encode_payload("t", outer)
+    assert str(caught.value).endswith("reference cycle: $.items[1].back is $.items itself")
+
+
+def test_a_deep_path_is_elided_in_the_message() -> None:
+    deep: object = "leaf"
+    for _ in range(300):
+        deep = [deep]
+    with pytest.raises(errors.PayloadNotSerializable) as caught:
+        envelope.encode_payload("t", {"k": deep})
+    message = str(caught.value)
+    assert "deeper than 200 levels at $.k[0]" in message
+    assert "more)..." in message
+    assert len(message) < 250
+
+
 def test_subclasses_pass_and_the_depth_limit_holds_at_its_edge() -> None:
     class Level(enum.IntEnum):
         HIGH = 1
