@@ -16,12 +16,12 @@ import errno
 import http.server
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sqla_outbox import errors
+from sqla_outbox import errors, metrics
 from sqla_outbox.config import OutboxSettings, redact_url
 
 
@@ -37,6 +37,8 @@ class ProbeServer:
         ready: Called per ``/readyz`` request; True means ready.
         alive: Called per ``/livez`` request; True means alive.
         host: Address to bind (``health_host``; default every IPv4 interface).
+        roles: Whose metrics ``/metrics`` shows (:func:`sqla_outbox.metrics.served`):
+            ``{"relay"}``, ``{"worker"}``, or both for a worker that runs the relay.
 
     Raises:
         ConfigurationError: The port cannot be bound (in use, or privileged).
@@ -49,9 +51,11 @@ class ProbeServer:
         ready: Callable[[], bool],
         alive: Callable[[], bool] = lambda: True,
         host: str = "0.0.0.0",  # noqa: S104 - probes come from the orchestrator
+        roles: Collection[str] = metrics.ROLES,
     ) -> None:
         self._ready = ready
         self._alive = alive
+        served = metrics.served(roles)
         probe = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -62,7 +66,7 @@ class ProbeServer:
                     ok = probe._ready()
                     self._answer(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
                 elif self.path == "/metrics":
-                    self._answer(200, generate_latest(), CONTENT_TYPE_LATEST)
+                    self._answer(200, generate_latest(served), CONTENT_TYPE_LATEST)
                 else:
                     self._answer(404, b"not found\n")
 

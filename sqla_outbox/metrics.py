@@ -2,14 +2,19 @@
 
 All metrics live in ``prometheus_client``'s default registry and carry the
 ``sqla_outbox_`` prefix. Relay and worker serve them on ``/metrics`` of their HTTP probe
-(``SQLA_OUTBOX_HEALTH_PORT``); an application process can expose the wake counters with
-its own ``prometheus_client`` endpoint. The alerts worth setting are in
+(``SQLA_OUTBOX_HEALTH_PORT``), each only its own (:func:`served`: a worker shows no relay
+gauges unless it runs the relay too) beside whatever else the default registry holds (the
+handlers' own metrics, the process collectors); an application process can expose the
+wake counters with its own ``prometheus_client`` endpoint. The alerts worth setting are in
 ``docs/runbook.md``.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Collection, Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 # --- application side ------------------------------------------------------------------
 WAKES = Counter(
@@ -155,3 +160,74 @@ GATE_VALKEY_ERRORS = Counter(
     "sqla_outbox_worker_limits_valkey_errors_total",
     "Flow-control calls to Valkey that failed (limits then hold per process).",
 )
+
+
+# --- which process serves which ---------------------------------------------------------
+_RELAY_METRICS = (
+    RELAY_SENT,
+    RELAY_FAILED,
+    RELAY_PARKED,
+    RELAY_BATCH_SIZE,
+    RELAY_PASS_SECONDS,
+    RELAY_PENDING,
+    RELAY_OLDEST_PENDING_AGE,
+    RELAY_LEADER,
+    RELAY_PARTITIONS_OWNED,
+    RELAY_PARTITIONS_DISAGREE,
+    RELAY_PASSES,
+    WAKE_LISTENER_ERRORS,
+    RELAY_HELD,
+    RELAY_PAUSED,
+    TENANT_THROTTLED,
+    TENANT_THROTTLED_WAIT,
+    TENANT_THROTTLED_PASSES,
+    RELAY_DEPTH_BOUND,
+)
+_WORKER_METRICS = (
+    RUNS_FINISHED,
+    HANDLER_SECONDS,
+    HEARTBEAT_FAILURES,
+    DLQ_SENDS,
+    IN_FLIGHT,
+    RUNS_DEFERRED,
+    GATE_REFUSALS,
+    SLOTS_HELD,
+    BREAKER_STATE,
+    BREAKER_TRANSITIONS,
+    GATE_VALKEY_ERRORS,
+)
+_FAMILIES = {
+    "relay": frozenset(family.name for metric in _RELAY_METRICS for family in metric.describe()),
+    "worker": frozenset(family.name for metric in _WORKER_METRICS for family in metric.describe()),
+}
+ROLES = tuple(_FAMILIES)
+"""The roles a process can serve metrics for: ``relay`` and ``worker``."""
+
+
+class _Served:
+    """The default registry without the families of the roles a process does not play."""
+
+    def __init__(self, hidden: frozenset[str]) -> None:
+        self._hidden = hidden
+
+    def collect(self) -> Iterator[Metric]:
+        for family in REGISTRY.collect():
+            if family.name not in self._hidden:
+                yield family
+
+
+def served(roles: Collection[str]) -> _Served:
+    """What a process playing ``roles`` serves on ``/metrics``: pass the result to
+    ``prometheus_client.generate_latest``.
+
+    Args:
+        roles: Some of :data:`ROLES` (a worker with ``worker_run_relay`` plays both).
+
+    Raises:
+        ValueError: A role that is not one of :data:`ROLES`.
+    """
+    unknown = set(roles) - set(ROLES)
+    if unknown:
+        raise ValueError(f"unknown metrics roles {sorted(unknown)}: choose from {list(ROLES)}")
+    hidden = frozenset().union(*(names for role, names in _FAMILIES.items() if role not in roles))
+    return _Served(hidden)

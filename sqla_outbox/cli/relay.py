@@ -84,7 +84,10 @@ def relay_command(
             from sqla_outbox.health import ProbeServer
 
             probe = ProbeServer(
-                settings.health_port, ready=lambda: not relay.stopping, host=settings.health_host
+                settings.health_port,
+                ready=lambda: not relay.stopping,
+                host=settings.health_host,
+                roles=("relay",),
             )
             probe.start()
         assert signals is not None  # --check and --once have returned

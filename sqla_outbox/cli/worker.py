@@ -78,6 +78,7 @@ def worker_command(
                 ready=lambda: worker.ready and not worker.stopping,
                 alive=worker.is_alive,
                 host=settings.health_host,
+                roles=("worker", "relay") if settings.worker_run_relay else ("worker",),
             )
             probe.start()
         try:

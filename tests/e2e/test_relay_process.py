@@ -302,6 +302,7 @@ def test_relay_exposes_its_metrics(
         assert 'sqla_outbox_relay_messages_sent_total{queue="default"} 3.0' in text
         assert "sqla_outbox_relay_batch_size_bucket" in text
         assert "sqla_outbox_relay_oldest_pending_age_seconds" in text
+        assert "sqla_outbox_worker_in_flight" not in text  # the relay serves its own metrics only
     finally:
         assert relay.terminate() == 0
 
