@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +27,14 @@ def _dispatch(app: sessionmaker[Session]) -> uuid.UUID:
         item = Dispatch("audit", {"mode": "ok"})
         session.add(item)
     return item.run_id
+
+
+def _wait_for_import(worker: Any, marker: Path) -> None:
+    """Until the worker imports ``slow_import_tasks`` (it creates ``marker`` first): by then
+    its stop signals are installed. A fixed sleep lost that race on CI's loaded machine,
+    where the interpreter took longer than the sleep to start."""
+    wait_for(lambda: marker.exists() or worker.process.poll() is not None, timeout=60)
+    assert worker.process.poll() is None
 
 
 def _stop_seconds(process: Any) -> float:
@@ -51,24 +60,39 @@ def test_an_idle_worker_stops_within_two_seconds(
 
 
 def test_a_sigterm_during_start_up_is_a_graceful_stop(
-    settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str]
+    settings: OutboxSettings, sqs_endpoint: str, queues: dict[str, str], tmp_path: Path
 ) -> None:
     """A SIGTERM while the worker still imports its task modules is kept for the moment
     its loop starts (exit 0, stopped before receiving), not the default action (exit 143);
     a second one during start-up ends it at once, so a hung start-up still yields."""
     imports = "tests.e2e.worker_tasks,tests.e2e.slow_import_tasks"
-    worker = start_worker(settings, sqs_endpoint, name="early", imports=imports, SLOW_IMPORT_SECONDS="3")
+    marker = tmp_path / "importing"
+    worker = start_worker(
+        settings,
+        sqs_endpoint,
+        name="early",
+        imports=imports,
+        SLOW_IMPORT_SECONDS="3",
+        SLOW_IMPORT_MARKER=str(marker),
+    )
     try:
-        time.sleep(1.5)  # the interpreter is up, the slow module is being imported
-        assert worker.process.poll() is None
+        _wait_for_import(worker, marker)  # the slow module is being imported
         worker.process.send_signal(signal.SIGTERM)
         assert worker.process.wait(30) == 0
         assert worker.actions("worker.stopped")
     finally:
         worker.kill()
-    twice = start_worker(settings, sqs_endpoint, name="early2", imports=imports, SLOW_IMPORT_SECONDS="30")
+    marker = tmp_path / "importing-again"
+    twice = start_worker(
+        settings,
+        sqs_endpoint,
+        name="early2",
+        imports=imports,
+        SLOW_IMPORT_SECONDS="30",
+        SLOW_IMPORT_MARKER=str(marker),
+    )
     try:
-        time.sleep(1.5)
+        _wait_for_import(twice, marker)
         twice.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         assert twice.process.poll() is None  # the first one is kept for the loop

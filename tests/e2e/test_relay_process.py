@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import errno
 import json
 import os
 import signal
@@ -419,17 +420,37 @@ def test_a_sigterm_during_start_up_is_a_graceful_stop(
     fifo = tmp_path / "catalog.fifo"
     os.mkfifo(fifo)
     relay = start_relay(settings, sqs_endpoint, name="early", SQLA_OUTBOX_CATALOG_PATH=str(fifo))
+    writer = None
     try:
-        time.sleep(1.5)  # the interpreter is up and waits for the catalog
-        assert relay.process.poll() is None
+        # The relay has opened the FIFO (its stop signals are installed by then) once a
+        # non-blocking open for writing stops failing with ENXIO; the open for reading then
+        # returns and the relay waits in read() until the catalog is written and closed.
+        # (A fixed sleep lost the race on CI's loaded machine: the interpreter had not yet
+        # started when the signal came.)
+        def reader_waits() -> bool:
+            nonlocal writer
+            assert relay.process.poll() is None
+            try:
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as exc:
+                if exc.errno != errno.ENXIO:
+                    raise
+                return False
+            return True
+
+        wait_for(reader_waits, timeout=60)
+        assert writer is not None
         relay.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         assert relay.process.poll() is None  # kept, not the default action
-        writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO if the relay is gone
+        os.set_blocking(writer, True)
         with os.fdopen(writer, "w") as catalog:
+            writer = None
             catalog.write(Path(settings.catalog_path).read_text())
         assert relay.process.wait(30) == 0
         assert relay.actions("relay.stopped")
         assert not relay.actions("relay.leader")
     finally:
+        if writer is not None:
+            os.close(writer)
         relay.kill()
