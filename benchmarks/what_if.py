@@ -107,7 +107,8 @@ def patch_fastpath(installation: Any) -> None:
             return
         state.deferred = []
         run.resolved_run_id, run.deduplicated = run.run_id, False
-        run.source.record_resolution(run)
+        if hasattr(run, "source"):  # libraries before the runs stopped pointing back
+            run.source.record_resolution(run)
         owner = session.get_nested_transaction() or session.get_transaction()
         state.written[owner] = state.written.get(owner, 0) + 1
 

@@ -58,7 +58,6 @@ class PreparedRun:
         available_at: Absolute due time given by the caller, or None.
         envelope: The envelope document stored in the outbox ``envelope`` column.
         envelope_json: The same, encoded once (compact JSON, the SQS body's form).
-        source: The Dispatch or Publish object this run came from.
         resolved_run_id: Set by the write: the run that will execute.
         deduplicated: Set by the write: True when an existing run was reused.
         priority: The outbox row's priority (1..10, lower first): the dispatch's, else
@@ -75,7 +74,6 @@ class PreparedRun:
     available_at: dt.datetime | None
     envelope: dict[str, Any]
     envelope_json: str
-    source: _Scheduled
     resolved_run_id: uuid.UUID | None = None
     deduplicated: bool = False
     priority: int = DEFAULT_PRIORITY
@@ -90,13 +88,11 @@ class PreparedGroup:
         member_run_ids: The members' run ids (their runs are prepared separately).
         completion: The completion run, prepared but written only by the database
             trigger when the last member finishes.
-        source: The Group object.
     """
 
     group_id: uuid.UUID
     member_run_ids: list[uuid.UUID]
     completion: PreparedRun
-    source: _Scheduled
 
 
 Prepared = PreparedRun | PreparedFanout | PreparedGroup
@@ -199,15 +195,11 @@ class _Scheduled:
             available_at=self.available_at,
             envelope=document,
             envelope_json=encoded,
-            source=self,
             priority=self.priority or spec.priority or DEFAULT_PRIORITY,
         )
 
     def prepare(self, catalog: Catalog, *, max_message_bytes: int) -> Sequence[Prepared]:
         raise NotImplementedError
-
-    def record_resolution(self, run: Prepared) -> None:
-        """Called after the write with the run's outcome (``run.resolved_run_id``)."""
 
 
 class Dispatch(_Scheduled):
@@ -245,6 +237,8 @@ class Dispatch(_Scheduled):
             ``session.add``).
     """
 
+    _prepared: Sequence[PreparedRun] | None  # its one run, from ``session.add``
+
     def __init__(
         self,
         task: str,
@@ -277,8 +271,6 @@ class Dispatch(_Scheduled):
             raise errors.InvalidDispatch(task, f"run_id must be a uuid.UUID, got {run_id!r}")
         self.run_id: uuid.UUID = run_id or uuid.uuid4()
         self._explicit_run_id = run_id is not None
-        self.resolved_run_id: uuid.UUID | None = None
-        self.deduplicated = False
         self._init_common(
             {} if payload is _MISSING else payload,
             task,
@@ -308,10 +300,18 @@ class Dispatch(_Scheduled):
             )
         ]
 
-    def record_resolution(self, run: Prepared) -> None:
-        assert isinstance(run, PreparedRun)
-        self.resolved_run_id = run.resolved_run_id
-        self.deduplicated = run.deduplicated
+    @property
+    def resolved_run_id(self) -> uuid.UUID | None:
+        """After flush, the run that will execute (this dispatch's ``run_id``, or the existing
+        run its idempotency key or run_id resolved to); None before."""
+        prepared = self._prepared
+        return prepared[0].resolved_run_id if prepared else None
+
+    @property
+    def deduplicated(self) -> bool:
+        """After flush, True when this dispatch resolved to an existing run."""
+        prepared = self._prepared
+        return bool(prepared and prepared[0].deduplicated)
 
     def __repr__(self) -> str:
         return f"Dispatch({self.task!r}, run_id={self.run_id}, tenant_id={self.tenant_id})"
@@ -407,7 +407,6 @@ class Publish(_Scheduled):
                         delay=self.delay,
                         available_at=self.available_at,
                         trace=self.trace,
-                        source=self,
                         max_message_bytes=max_message_bytes,
                         priority=self.priority or spec.priority,
                     )
@@ -523,7 +522,6 @@ class Group(_Scheduled):
             group_id=self.group_id,
             member_run_ids=[member.run_id for member in self.members],
             completion=completion,
-            source=self,
         )
         return [group, *runs]
 

@@ -57,7 +57,6 @@ class PreparedFanout:
         idempotency_key: The publish's key (each delivery gets ``<key>@<endpoint id>``).
         delay / available_at: As for any run (database clock).
         trace: W3C trace-context carrier of the publishing code, possibly empty.
-        source: The ``Publish`` it came from (told the delivery run ids after the write).
         run_ids: Set by the write: endpoint id → delivery run id, for the runs it inserted.
         priority: Priority of the delivery runs (default 1, the "webhook" trigger).
     """
@@ -70,7 +69,6 @@ class PreparedFanout:
     delay: dt.timedelta
     available_at: dt.datetime | None
     trace: Mapping[str, str]
-    source: Any
     run_ids: dict[int, uuid.UUID] = dataclasses.field(default_factory=dict)
     priority: int = TRIGGER_PRIORITIES["webhook"]
 
@@ -105,7 +103,6 @@ def prepare(
     delay: dt.timedelta,
     available_at: dt.datetime | None,
     trace: Mapping[str, str],
-    source: Any,
     max_message_bytes: int,
     priority: int | None = None,
 ) -> PreparedFanout:
@@ -146,7 +143,6 @@ def prepare(
         delay=delay,
         available_at=available_at,
         trace=dict(trace),
-        source=source,
         priority=priority or TRIGGER_PRIORITIES["webhook"],
     )
 

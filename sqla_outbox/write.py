@@ -301,8 +301,6 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
         driver_sql.execute(
             connection, _JOIN_GROUP, {"group_id": group.group_id, "run_ids": group.member_run_ids}
         )
-    for item in prepared:
-        item.source.record_resolution(item)
     return written
 
 
@@ -316,12 +314,10 @@ def _write_single(connection: Connection, run: PreparedRun, notify: bool) -> int
         if _execute(connection, pending, (), notify):
             run.resolved_run_id = run.run_id
             run.deduplicated = False
-            run.source.record_resolution(run)
             return 1
         run.deduplicated = True
         pending = _resolve_existing(connection, pending)
         if not pending:
-            run.source.record_resolution(run)
             return 0
     raise _contended(run)
 

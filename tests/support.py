@@ -93,6 +93,30 @@ def runs(engine: sa.Engine) -> list[Any]:
         return list(conn.execute(sa.text("SELECT * FROM task_runs ORDER BY created_at")))
 
 
+@contextlib.contextmanager
+def cyclic_garbage(*types: type) -> Iterator[list[str]]:
+    """Collect the objects of ``types`` that the block leaves to the cyclic garbage collector
+    (unreachable, yet not freed by reference counting: part of, or held by, a reference
+    cycle). The list, filled when the block ends, names their types; empty when reference
+    counting freed everything the block made."""
+    import gc
+
+    found: list[str] = []
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        yield found
+        gc.collect()
+        found.extend(type(o).__name__ for o in gc.garbage if isinstance(o, types))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was_enabled:
+            gc.enable()
+
+
 def count(engine: sa.Engine, table: str) -> int:
     with engine.connect() as conn:
         return int(conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one())

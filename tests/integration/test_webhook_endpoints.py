@@ -120,6 +120,22 @@ def test_rollback_takes_the_deliveries_with_it(app: sessionmaker[Session], engin
     assert delivery_rows(engine) == []
 
 
+def test_a_webhook_publish_leaves_no_reference_cycles(app: sessionmaker[Session], engine: sa.Engine) -> None:
+    """As for any dispatch (``test_dispatch``): the fan-out no longer points back to its
+    Publish, so reference counting frees both once the flush is over."""
+    from sqla_outbox.webhook_fanout import PreparedFanout
+
+    add_endpoints(app, webhooks.new_endpoint(tenant_id=1, url="https://a.example/in", events=["order.paid"]))
+    with support.cyclic_garbage(Publish, PreparedFanout) as garbage:
+        with app() as session, session.begin():
+            event = Publish("order.paid", {"order_id": 1}, tenant_id=1)
+            session.add(event)
+        deliveries = event.webhook_deliveries
+        del event
+    assert garbage == []
+    assert {row.run_id for row in delivery_rows(engine)} == set(deliveries.values()) and len(deliveries) == 1
+
+
 def test_only_webhook_events_read_the_endpoints(
     app: sessionmaker[Session], engine: sa.Engine, statements: list[str]
 ) -> None:
