@@ -69,6 +69,8 @@ the rest, over about four transactions (per-position medians of 200 rounds,
 docs/benchmarks.md, "The side after the wake"). Without the warm-up, that cost fell on
 the side after the dispatch side, always ``orm+dispatch(nowake)``: it read 5 to 10 %
 slower than the side with the wake, and the wake's cost came out negative.
+``--positions`` prints each side's median time of the first, second, ... transaction of
+its blocks, which shows both effects.
 """
 
 from __future__ import annotations
@@ -168,6 +170,11 @@ def main() -> None:
         help="interleave the single-row sides N transactions at a time (default 0: each side in one piece)",
     )
     p.add_argument(
+        "--positions",
+        action="store_true",
+        help="with --block: also print the median time of the 1st, 2nd, ... transaction of a side's blocks",
+    )
+    p.add_argument(
         "--warm",
         type=int,
         default=5,
@@ -219,14 +226,27 @@ def main() -> None:
                     _TRUNCATE + (", procrastinate_jobs" if peers else "") + " RESTART IDENTITY CASCADE"
                 )
 
-        def txns(factory: sessionmaker[Session], extra: Any, first: int, n: int) -> float:
-            """Run ``n`` single-row transactions; the seconds they took."""
+        positions: dict[str, list[list[float]]] = {}  # --positions: side -> [position] -> seconds
+
+        def txns(
+            factory: sessionmaker[Session], extra: Any, first: int, n: int, side: str | None = None
+        ) -> float:
+            """Run ``n`` single-row transactions; the seconds they took (each transaction's
+            under ``side`` in ``positions`` with ``--positions``)."""
             started = time.perf_counter()
+            record = positions.setdefault(side, []) if side is not None and args.positions else None
+            last = started
             for i in range(first, first + n):
                 with factory() as session, session.begin():
                     session.add(_order(i))
                     if extra is not None:
                         extra(session, i)
+                if record is not None:
+                    now = time.perf_counter()
+                    if len(record) <= i - first:
+                        record.append([])
+                    record[i - first].append(now - last)
+                    last = now
             return time.perf_counter() - started
 
         def single(factory: sessionmaker[Session], extra: Any = None) -> float:
@@ -281,7 +301,7 @@ def main() -> None:
                     for name in names[k:] + names[:k]:
                         if idle and args.warm:  # untimed: the machine comes out of an idle gap
                             txns(*steps[name], args.txns + done, args.warm)
-                        spent[name] += txns(*steps[name], done, n)
+                        spent[name] += txns(*steps[name], done, n, name)
                         waited = time.perf_counter()
                         waker.drain(1.0)  # untimed: the block's last wake is its own
                         idle = time.perf_counter() - waited > 0.002
@@ -342,6 +362,13 @@ def main() -> None:
         ["side", "txn/s (median)", "min", "max", "vs orm", "ms/txn"],
         rows,
     )
+    if positions:
+        width = max(len(record) for record in positions.values())
+        report.table(
+            "Median microseconds of the n-th transaction of a block (--positions)",
+            ["side", *(str(n + 1) for n in range(width))],
+            [[name, *(common.median(t) * 1e6 for t in record)] for name, record in positions.items()],
+        )
     bmed = {name: common.median(values) for name, values in batches.items()}
     report.table(
         f"{args.batch} runs per transaction ({args.batch_txns} txns/side/round)",
