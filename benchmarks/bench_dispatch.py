@@ -71,6 +71,14 @@ the side after the dispatch side, always ``orm+dispatch(nowake)``: it read 5 to 
 slower than the side with the wake, and the wake's cost came out negative.
 ``--positions`` prints each side's median time of the first, second, ... transaction of
 its blocks, which shows both effects.
+
+With ``--block`` of 3 or more, ``dispatch / floor`` is also reported over each block
+from its third transaction on (every side alike). A block of dispatches begins a burst of
+the waker (its thread wakes from its queue, the first commit is pushed at once), which
+costs the block's first two transactions about 0.2 ms each here; a sustained stream of
+dispatches is one burst, pushed once per 10 ms, so blocks of 10 charge dispatch a burst
+start that sustained dispatching pays once (docs/benchmarks.md, "The side after the
+wake").
 """
 
 from __future__ import annotations
@@ -228,30 +236,23 @@ def main() -> None:
 
         positions: dict[str, list[list[float]]] = {}  # --positions: side -> [position] -> seconds
 
-        def txns(
-            factory: sessionmaker[Session], extra: Any, first: int, n: int, side: str | None = None
-        ) -> float:
-            """Run ``n`` single-row transactions; the seconds they took (each transaction's
-            under ``side`` in ``positions`` with ``--positions``)."""
-            started = time.perf_counter()
-            record = positions.setdefault(side, []) if side is not None and args.positions else None
-            last = started
+        def txns(factory: sessionmaker[Session], extra: Any, first: int, n: int) -> list[float]:
+            """Run ``n`` single-row transactions; the seconds each took."""
+            took = []
+            last = time.perf_counter()
             for i in range(first, first + n):
                 with factory() as session, session.begin():
                     session.add(_order(i))
                     if extra is not None:
                         extra(session, i)
-                if record is not None:
-                    now = time.perf_counter()
-                    if len(record) <= i - first:
-                        record.append([])
-                    record[i - first].append(now - last)
-                    last = now
-            return time.perf_counter() - started
+                now = time.perf_counter()
+                took.append(now - last)
+                last = now
+            return took
 
         def single(factory: sessionmaker[Session], extra: Any = None) -> float:
             truncate()
-            return args.txns / txns(factory, extra, 0, args.txns)
+            return args.txns / sum(txns(factory, extra, 0, args.txns))
 
         def defer(session: Session, i: int) -> None:
             raw = session.connection().connection.driver_connection
@@ -284,15 +285,20 @@ def main() -> None:
                     conn.execute(_OUTBOX_INSERT, rows)
             return args.batch * args.batch_txns / (time.perf_counter() - started)
 
+        steady: dict[str, list[float]] = {}  # --block: txn/s per round without each block's first two
+
         def interleaved(steps: dict[str, tuple[sessionmaker[Session], Any]]) -> dict[str, list[float]]:
             """``--block``: each round, every side ``args.block`` transactions at a time."""
             names = list(steps)
             out: dict[str, list[float]] = {name: [] for name in names}
+            steady.update({name: [] for name in names})
             cycle = 0  # which side starts: moves on by one per cycle, across rounds
             for r in range(args.rounds):
                 truncate()
                 idle = True  # the truncate waited on PostgreSQL
                 spent = dict.fromkeys(names, 0.0)
+                later = dict.fromkeys(names, 0.0)  # the same without each block's first two
+                later_n = dict.fromkeys(names, 0)
                 done = 0
                 while done < args.txns:
                     n = min(args.block, args.txns - done)
@@ -301,13 +307,23 @@ def main() -> None:
                     for name in names[k:] + names[:k]:
                         if idle and args.warm:  # untimed: the machine comes out of an idle gap
                             txns(*steps[name], args.txns + done, args.warm)
-                        spent[name] += txns(*steps[name], done, n, name)
+                        took = txns(*steps[name], done, n)
+                        spent[name] += sum(took)
+                        later[name] += sum(took[2:])
+                        later_n[name] += len(took[2:])
+                        if args.positions:
+                            record = positions.setdefault(name, [])
+                            record.extend([] for _ in range(len(took) - len(record)))
+                            for position, seconds in enumerate(took):
+                                record[position].append(seconds)
                         waited = time.perf_counter()
                         waker.drain(1.0)  # untimed: the block's last wake is its own
                         idle = time.perf_counter() - waited > 0.002
                     done += n
                 for name in names:
                     out[name].append(args.txns / spent[name])
+                    if later_n[name]:
+                        steady[name].append(later_n[name] / later[name])
                     print(f"  round {r + 1}/{args.rounds} {name}: {out[name][-1]:,.1f}", flush=True)
             return out
 
@@ -375,7 +391,12 @@ def main() -> None:
         ["side", "runs/s (median)", "min", "max", "txn/s"],
         [[n, bmed[n], min(v), max(v), bmed[n] / args.batch] for n, v in batches.items()],
     )
-    report.results = {"single_txn_per_s": singles, "batch_runs_per_s": batches, "medians": med | bmed}
+    report.results = {
+        "single_txn_per_s": singles,
+        "batch_runs_per_s": batches,
+        "medians": med | bmed,
+        "single_txn_per_s_from_3rd": steady,
+    }
     pr = common.paired_ratio
     report.ratio("dispatch: (orm+dispatch) / orm", pr(singles, "orm+dispatch", "orm"), 0.70)
     if "orm+procrastinate" in med:
@@ -391,6 +412,18 @@ def main() -> None:
         pr(singles, "orm+dispatch(nowake)", "orm+cte(floor)"),
         None,
     )
+    if any(steady.values()):  # --block 3 or more
+        report.ratio(
+            "dispatch / floor, each block from its 3rd transaction on",
+            pr(steady, "orm+dispatch", "orm+cte(floor)"),
+            None,
+            note="a block of dispatches starts a burst of the waker; sustained dispatching is one burst",
+        )
+        report.ratio(
+            "dispatch without a wake / floor, each block from its 3rd transaction on",
+            pr(steady, "orm+dispatch(nowake)", "orm+cte(floor)"),
+            None,
+        )
     report.ratio(
         "the wake's cost: ((orm+dispatch nowake) - (orm+dispatch)) / orm",
         common.median(
