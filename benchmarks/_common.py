@@ -76,6 +76,17 @@ TENANTS = 20
 
 
 # --- command line ---------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1 (rounds, transactions, batch sizes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def parser(doc: str | None, *, rounds: int) -> argparse.ArgumentParser:
     """An argument parser with the options every script takes.
 
@@ -88,7 +99,9 @@ def parser(doc: str | None, *, rounds: int) -> argparse.ArgumentParser:
         description=first,
         epilog="See the module docstring (and benchmarks/README.md) for what is measured and how.",
     )
-    p.add_argument("--rounds", type=int, default=rounds, help=f"alternating rounds (default {rounds})")
+    p.add_argument(
+        "--rounds", type=positive_int, default=rounds, help=f"alternating rounds (default {rounds})"
+    )
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     p.add_argument("--pg-url", default=DEFAULT_PG_URL, help="PostgreSQL server (libpq URL, any database)")
     p.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="Valkey/Redis for the wake signal")

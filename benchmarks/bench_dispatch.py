@@ -65,8 +65,8 @@ With ``--block``, a side whose block follows an idle gap (the round's truncate, 
 wait for the waker's last push after a dispatch block, 10 ms or more) first runs
 ``--warm`` untimed transactions (default 5). On this 2-vCPU virtual machine the
 transactions after an idle gap of some milliseconds run slow, the first up to three times
-the rest, over about four transactions (per-position medians of 200 rounds,
-docs/benchmarks.md, "The side after the wake"). Without the warm-up, that cost fell on
+the rest, over about four transactions (per-position medians over the 400 blocks of
+each side in 20 rounds: docs/benchmarks.md, "A fourth day"). Without the warm-up, that cost fell on
 the side after the dispatch side, always ``orm+dispatch(nowake)``: it read 5 to 10 %
 slower than the side with the wake, and the wake's cost came out negative.
 ``--positions`` prints each side's median time of the first, second, ... transaction of
@@ -77,8 +77,7 @@ from its third transaction on (every side alike). A block of dispatches begins a
 the waker (its thread wakes from its queue, the first commit is pushed at once), which
 costs the block's first two transactions about 0.2 ms each here; a sustained stream of
 dispatches is one burst, pushed once per 10 ms, so blocks of 10 charge dispatch a burst
-start that sustained dispatching pays once (docs/benchmarks.md, "The side after the
-wake").
+start that sustained dispatching pays once (docs/benchmarks.md, "A fourth day").
 """
 
 from __future__ import annotations
@@ -165,10 +164,17 @@ def add_dispatch(session: Session, i: int) -> None:
 
 def main() -> None:
     p = common.parser(__doc__, rounds=11)
-    p.add_argument("--txns", type=int, default=200, help="transactions per side per round (default 200)")
-    p.add_argument("--batch", type=int, default=100, help="runs per batch transaction (default 100)")
     p.add_argument(
-        "--batch-txns", type=int, default=10, help="batch transactions per side per round (default 10)"
+        "--txns", type=common.positive_int, default=200, help="transactions per side per round (default 200)"
+    )
+    p.add_argument(
+        "--batch", type=common.positive_int, default=100, help="runs per batch transaction (default 100)"
+    )
+    p.add_argument(
+        "--batch-txns",
+        type=common.positive_int,
+        default=10,
+        help="batch transactions per side per round (default 10)",
     )
     p.add_argument("--no-peers", action="store_true", help="skip procrastinate")
     p.add_argument(
@@ -193,6 +199,10 @@ def main() -> None:
         p.error("--block must be 0 (whole sides) or a number of transactions")
     if args.warm < 0:
         p.error("--warm must be 0 or more")
+    if not args.block and args.positions:
+        p.error("--positions needs --block (it reports the n-th transaction of each block)")
+    if not args.block:
+        args.warm = 0  # whole sides start after a truncate, as before; recorded so
     args.block = min(args.block, args.txns)
 
     import sqla_outbox

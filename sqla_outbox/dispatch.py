@@ -360,6 +360,7 @@ class Publish(_Scheduled):
             )
         self.event = event
         self.runs: dict[str, uuid.UUID] = {}
+        self._delivery_seed: uuid.UUID | None = None  # a webhook event's, from its first add
         self._init_common(
             {} if payload is _MISSING else payload,
             event,
@@ -397,8 +398,11 @@ class Publish(_Scheduled):
         for task in catalog.subscribers(self.event):
             spec = catalog.task(task)
             if task == webhook_fanout.WEBHOOK_TASK:
+                if self._delivery_seed is None:
+                    self._delivery_seed = uuid.uuid4()
                 prepared.append(
                     webhook_fanout.prepare(
+                        seed=self._delivery_seed,
                         event=self.event,
                         tenant_id=self.tenant_id,
                         queue=spec.queue,

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import BigInteger, DateTime, Interval, SmallInteger, Text, bindparam
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.sql.elements import BindParameter
 
 from sqla_outbox import envelope, errors
@@ -57,6 +57,9 @@ class PreparedFanout:
         idempotency_key: The publish's key (each delivery gets ``<key>@<endpoint id>``).
         delay / available_at: As for any run (database clock).
         trace: W3C trace-context carrier of the publishing code, possibly empty.
+        seed: The publish's own UUID, from which each delivery's run id is derived (the
+            same publish added again makes the same run ids, so it resolves quietly to the
+            deliveries it already scheduled, as a re-added ``Dispatch`` does to its run).
         run_ids: Set by the write: endpoint id → delivery run id, for the runs it inserted.
         priority: Priority of the delivery runs (default 1, the "webhook" trigger).
     """
@@ -69,6 +72,7 @@ class PreparedFanout:
     delay: dt.timedelta
     available_at: dt.datetime | None
     trace: Mapping[str, str]
+    seed: uuid.UUID
     run_ids: dict[int, uuid.UUID] = dataclasses.field(default_factory=dict)
     priority: int = TRIGGER_PRIORITIES["webhook"]
 
@@ -103,6 +107,7 @@ def prepare(
     delay: dt.timedelta,
     available_at: dt.datetime | None,
     trace: Mapping[str, str],
+    seed: uuid.UUID,
     max_message_bytes: int,
     priority: int | None = None,
 ) -> PreparedFanout:
@@ -143,6 +148,7 @@ def prepare(
         delay=delay,
         available_at=available_at,
         trace=dict(trace),
+        seed=seed,
         priority=priority or TRIGGER_PRIORITIES["webhook"],
     )
 
@@ -156,12 +162,12 @@ fan AS (
         CAST(:fan_events AS text[]), CAST(:fan_tenant_ids AS bigint[]), CAST(:fan_queues AS text[]),
         CAST(:fan_payloads AS text[]), CAST(:fan_keys AS text[]), CAST(:fan_delays AS interval[]),
         CAST(:fan_available_ats AS timestamptz[]), CAST(:fan_traces AS text[]),
-        CAST(:fan_priorities AS smallint[])
+        CAST(:fan_priorities AS smallint[]), CAST(:fan_seeds AS uuid[])
     ) WITH ORDINALITY AS f(event, tenant_id, queue, payload, key, delay, available_at, trace, priority,
-                           fan_ord)
+                           seed, fan_ord)
 ),
 hooks AS (
-    SELECT gen_random_uuid() AS run_id, e.id AS endpoint_id, f.*,
+    SELECT CAST(md5(CAST(f.seed AS text) || '@' || e.id) AS uuid) AS run_id, e.id AS endpoint_id, f.*,
            CASE WHEN f.key IS NULL THEN NULL ELSE f.key || '@' || e.id END AS hook_key,
            to_char(f.published_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS stamp
     FROM fan AS f
@@ -170,8 +176,11 @@ hooks AS (
 ),
 """
 """CTEs ``fan`` (one row per webhook publish) and ``hooks`` (one per matching endpoint).
-``gen_random_uuid()`` and ``clock_timestamp()`` are volatile, so PostgreSQL evaluates
-these CTEs once; every later reference sees the same run ids and publish times."""
+A delivery's run id is the MD5 of its publish's seed and its endpoint id, read as a UUID:
+the same publish added again makes the same run ids, which the runs' ``ON CONFLICT DO
+NOTHING`` skips (distinct publishes have distinct random seeds). ``clock_timestamp()`` is
+volatile, so PostgreSQL evaluates these CTEs once; every later reference sees the same
+publish time."""
 
 FANOUT_INPUT = """
     SELECT h.run_id, CAST(:fan_task AS text), h.event, h.queue, h.tenant_id, h.hook_key,
@@ -202,6 +211,7 @@ BINDPARAMS: tuple[BindParameter[Any], ...] = (
     bindparam("fan_available_ats", type_=ARRAY(DateTime(timezone=True))),
     bindparam("fan_traces", type_=ARRAY(Text)),
     bindparam("fan_priorities", type_=ARRAY(SmallInteger)),
+    bindparam("fan_seeds", type_=ARRAY(UUID(as_uuid=True))),
     bindparam("fan_task", type_=Text),
     bindparam("fan_first_ord", type_=BigInteger),
 )
@@ -224,6 +234,7 @@ def params(fanouts: Sequence[PreparedFanout], *, first_ord: int) -> dict[str, An
         "fan_available_ats": [f.available_at for f in fanouts],
         "fan_traces": [json.dumps({"trace": dict(f.trace)}) if f.trace else "{}" for f in fanouts],
         "fan_priorities": [f.priority for f in fanouts],
+        "fan_seeds": [f.seed for f in fanouts],
         "fan_task": WEBHOOK_TASK,
         "fan_first_ord": first_ord,
     }

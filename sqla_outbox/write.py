@@ -291,16 +291,18 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
             pending = _resolve_existing(connection, missing)
         if pending:
             raise _contended(pending[0])
-    except errors.DispatchError:
-        _take_back(connection, inserted_ids, [group.group_id for group in groups])
+        for run, earlier in twins:
+            run.resolved_run_id = earlier.resolved_run_id
+            run.deduplicated = True
+        for group in groups:
+            driver_sql.execute(
+                connection, _JOIN_GROUP, {"group_id": group.group_id, "run_ids": group.member_run_ids}
+            )
+    except BaseException as exc:
+        if isinstance(exc, errors.DispatchError):
+            _take_back(connection, inserted_ids, [group.group_id for group in groups])
+        _forget(prepared)
         raise
-    for run, earlier in twins:
-        run.resolved_run_id = earlier.resolved_run_id
-        run.deduplicated = True
-    for group in groups:
-        driver_sql.execute(
-            connection, _JOIN_GROUP, {"group_id": group.group_id, "run_ids": group.member_run_ids}
-        )
     return written
 
 
@@ -310,16 +312,33 @@ def _write_single(connection: Connection, run: PreparedRun, notify: bool) -> int
     flush, per-run sets and lists: about 20,000 instructions of a one-dispatch transaction's
     450,000, ``docs/benchmarks.md``, issue 17 part 4, fifth pass)."""
     pending = [run]
-    for _ in range(_INSERT_ATTEMPTS):  # as write_runs
-        if _execute(connection, pending, (), notify):
-            run.resolved_run_id = run.run_id
-            run.deduplicated = False
-            return 1
-        run.deduplicated = True
-        pending = _resolve_existing(connection, pending)
-        if not pending:
-            return 0
-    raise _contended(run)
+    try:
+        for _ in range(_INSERT_ATTEMPTS):  # as write_runs
+            if _execute(connection, pending, (), notify):
+                run.resolved_run_id = run.run_id
+                run.deduplicated = False
+                return 1
+            run.deduplicated = True
+            pending = _resolve_existing(connection, pending)
+            if not pending:
+                return 0
+        raise _contended(run)
+    except BaseException:
+        _forget([run])
+        raise
+
+
+def _forget(prepared: Sequence[Prepared]) -> None:
+    """Undo what a failing write set on its prepared items, so that a refused flush's
+    objects read as never written (``resolved_run_id`` None, ``deduplicated`` False, no
+    webhook deliveries), as their rows are gone (:func:`_take_back`, or the error's
+    rollback)."""
+    for item in prepared:
+        if isinstance(item, PreparedRun):
+            item.resolved_run_id = None
+            item.deduplicated = False
+        elif isinstance(item, PreparedFanout):
+            item.run_ids.clear()
 
 
 _TAKE_BACK = text(

@@ -410,6 +410,40 @@ def test_a_flush_refused_after_its_first_statement_leaves_nothing_even_when_comm
     assert count(engine, "task_groups") == 0
 
 
+def test_the_objects_of_a_refused_flush_read_as_never_written(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """Their rows are taken back, so none of the flush's objects names a run: not the ones
+    written before the problem was found, not the one refused (which read deduplicated with
+    no run), not a group's members, not a publish's subscribers; the one-run flush too."""
+    taken = uuid.uuid4()
+    with factory() as session, session.begin():
+        session.add(Dispatch("send_welcome", tenant_id=1, run_id=taken))
+    alone = Dispatch("audit", tenant_id=1, run_id=taken)  # the one-run flush's path
+    with factory() as session:
+        session.add(alone)
+        with pytest.raises(errors.InvalidDispatch, match="already belongs"):
+            session.flush()
+    assert (alone.resolved_run_id, alone.deduplicated) == (None, False)
+    good = Dispatch("audit", tenant_id=2)
+    member = Dispatch("audit", tenant_id=3)
+    event = Publish("user.created", {"user_id": 1}, tenant_id=2)
+    bad = Dispatch("audit", tenant_id=1, run_id=taken)
+    with factory() as session:
+        session.add_all([good, event, Group([member], on_complete=Dispatch("audit", tenant_id=3)), bad])
+        with pytest.raises(errors.InvalidDispatch, match="already belongs"):
+            session.flush()
+        session.commit()
+    assert [(d.resolved_run_id, d.deduplicated) for d in (good, member, bad)] == [(None, False)] * 3
+    assert event.resolved_run_ids == {}
+    assert [row.run_id for row in runs(engine)] == [taken]
+    with factory() as session, session.begin():  # added again, they are written as new
+        session.add_all([good, event])
+    assert good.resolved_run_id == good.run_id and not good.deduplicated
+    assert set(event.resolved_run_ids.values()) == set(event.runs.values())
+    assert count(engine, "task_runs") == 1 + 1 + 2
+
+
 def test_dispatches_leave_no_reference_cycles(factory: sessionmaker[Session], engine: sa.Engine) -> None:
     """Reference counting frees a Dispatch, Publish or Group and its prepared runs once the
     flush is over, committed or rolled back: the prepared run no longer points back to the

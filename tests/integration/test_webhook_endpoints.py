@@ -136,6 +136,48 @@ def test_a_webhook_publish_leaves_no_reference_cycles(app: sessionmaker[Session]
     assert {row.run_id for row in delivery_rows(engine)} == set(deliveries.values()) and len(deliveries) == 1
 
 
+def test_a_refused_flush_names_no_deliveries(app: sessionmaker[Session], engine: sa.Engine) -> None:
+    """The deliveries a refused flush wrote are taken back with it, and the publish says so."""
+    add_endpoints(app, webhooks.new_endpoint(tenant_id=1, url="https://a.example/in", events=["order.paid"]))
+    taken = uuid.uuid4()
+    with app() as session, session.begin():
+        session.add(Dispatch("send_welcome", tenant_id=1, run_id=taken))
+    event = Publish("order.paid", {"order_id": 1}, tenant_id=1)
+    with app() as session:
+        session.add_all([event, Dispatch("audit", tenant_id=1, run_id=taken)])
+        with pytest.raises(errors.InvalidDispatch, match="already belongs"):
+            session.flush()
+        session.commit()
+    assert (event.webhook_deliveries, event.resolved_run_ids) == ({}, {})
+    assert delivery_rows(engine) == []
+
+
+def test_the_same_publish_added_again_schedules_its_deliveries_once(
+    app: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """As a re-added Dispatch resolves to its run: a delivery's run id comes from the
+    publish's own seed and the endpoint, so adding the same Publish again (in the same
+    transaction or a later one) schedules no second delivery; another Publish does."""
+    a, b = add_endpoints(
+        app,
+        webhooks.new_endpoint(tenant_id=1, url="https://a.example/in", events=["order.paid"]),
+        webhooks.new_endpoint(tenant_id=1, url="https://b.example/in", events=["order.paid"]),
+    )
+    event = Publish("order.paid", {"order_id": 1}, tenant_id=1)
+    with app() as session, session.begin():
+        session.add(event)
+        session.flush()
+        first = dict(event.webhook_deliveries)
+        session.add(event)
+    with app() as session, session.begin():
+        session.add(event)
+    assert set(first) == {a, b}
+    assert {row.run_id for row in delivery_rows(engine)} == set(first.values())
+    with app() as session, session.begin():
+        session.add(Publish("order.paid", {"order_id": 1}, tenant_id=1))
+    assert len(delivery_rows(engine)) == 4
+
+
 def test_only_webhook_events_read_the_endpoints(
     app: sessionmaker[Session], engine: sa.Engine, statements: list[str]
 ) -> None:
