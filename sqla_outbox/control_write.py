@@ -219,15 +219,24 @@ def apply_controls(connection: Connection, controls: Sequence[Control], *, notif
 
     Returns:
         Outbox rows rescheduled (the caller wakes the relay after commit when > 0).
+
+    When a statement fails, the controls recorded before it are forgotten again
+    (:meth:`~sqla_outbox.controls.Control.forget`): the failure aborts the transaction that
+    applied them.
     """
     moved_total = 0
-    for control in controls:
-        if isinstance(control, Cancel):
-            control.record(cancel(connection, control))
-        elif isinstance(control, Reschedule):
-            results = reschedule(connection, control, notify=notify)
-            moved_total += sum(r.outcome is ControlOutcome.RESCHEDULED for r in results)
-            control.record(results)
+    try:
+        for control in controls:
+            if isinstance(control, Cancel):
+                control.record(cancel(connection, control))
+            elif isinstance(control, Reschedule):
+                results = reschedule(connection, control, notify=notify)
+                moved_total += sum(r.outcome is ControlOutcome.RESCHEDULED for r in results)
+                control.record(results)
+    except BaseException:
+        for control in controls:
+            control.forget()
+        raise
     return moved_total
 
 

@@ -205,6 +205,12 @@ class Control:
         ]
         self.applied = True
 
+    def forget(self) -> None:
+        """Undo :meth:`record` when the flush that applied it failed (its statement's effect
+        went with the failed transaction)."""
+        self.results = []
+        self.applied = False
+
 
 class Cancel(Control):
     """Cancel runs when the current transaction commits: ``session.add(Cancel(run_id))``.

@@ -72,7 +72,7 @@ from sqla_outbox.controls import Control
 from sqla_outbox.dispatch import Prepared, scheduled_types
 from sqla_outbox.logging import log_extra
 from sqla_outbox.wakeup import Waker
-from sqla_outbox.write import write_runs
+from sqla_outbox.write import forget, write_runs
 
 SCHEDULED = scheduled_types()
 _TAKEN = (*SCHEDULED, Control)
@@ -257,7 +257,11 @@ class Installation:
         connection = session.connection()
         written = write_runs(connection, runs, notify=self.settings.wake_notify) if runs else 0
         if controls:  # after the dispatches of the same flush, in the order added
-            written += apply_controls(connection, controls, notify=self.settings.wake_notify)
+            try:
+                written += apply_controls(connection, controls, notify=self.settings.wake_notify)
+            except BaseException:
+                forget(runs)  # the flush failed: its runs go with its transaction
+                raise
         owner = session.get_nested_transaction() or session.get_transaction()
         if owner is not None and written:
             state.written[owner] = state.written.get(owner, 0) + written

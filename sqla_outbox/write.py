@@ -301,7 +301,7 @@ def write_runs(connection: Connection, prepared: Sequence[Prepared], *, notify: 
     except BaseException as exc:
         if isinstance(exc, errors.DispatchError):
             _take_back(connection, inserted_ids, [group.group_id for group in groups])
-        _forget(prepared)
+        forget(prepared)
         raise
     return written
 
@@ -324,15 +324,16 @@ def _write_single(connection: Connection, run: PreparedRun, notify: bool) -> int
                 return 0
         raise _contended(run)
     except BaseException:
-        _forget([run])
+        forget([run])
         raise
 
 
-def _forget(prepared: Sequence[Prepared]) -> None:
-    """Undo what a failing write set on its prepared items, so that a refused flush's
-    objects read as never written (``resolved_run_id`` None, ``deduplicated`` False, no
-    webhook deliveries), as their rows are gone (:func:`_take_back`, or the error's
-    rollback)."""
+def forget(prepared: Sequence[Prepared]) -> None:
+    """Undo what a write set on its prepared items, so that the objects of a flush that
+    failed read as never written (``resolved_run_id`` None, ``deduplicated`` False, no
+    webhook deliveries), as their rows are gone (:func:`_take_back`, or the failed
+    transaction's rollback). Called by :func:`write_runs` when it fails, and by the flush
+    when a later statement of the same flush fails."""
     for item in prepared:
         if isinstance(item, PreparedRun):
             item.resolved_run_id = None

@@ -117,6 +117,31 @@ def cyclic_garbage(*types: type) -> Iterator[list[str]]:
             gc.enable()
 
 
+class StatementFailed(Exception):
+    """Raised by :func:`failing_statement` in place of a statement."""
+
+
+@contextlib.contextmanager
+def failing_statement(engine: sa.Engine, marker: str, *, nth: int = 1) -> Iterator[None]:
+    """Within the block, the ``nth`` statement whose SQL contains ``marker`` raises
+    :class:`StatementFailed` before it reaches PostgreSQL (a cursor event on ``engine``,
+    which every write path fires), as a failing statement would."""
+    seen = 0
+
+    def fail(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        nonlocal seen
+        if marker in statement:
+            seen += 1
+            if seen == nth:
+                raise StatementFailed(marker)
+
+    sa.event.listen(engine, "before_cursor_execute", fail)
+    try:
+        yield
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", fail)
+
+
 def count(engine: sa.Engine, table: str) -> int:
     with engine.connect() as conn:
         return int(conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one())

@@ -17,7 +17,15 @@ import sqla_outbox
 from sqla_outbox import Cancel, Dispatch, Group, Publish, errors
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
-from tests.support import count, cyclic_garbage, drain_wakes, outbox_rows, runs
+from tests.support import (
+    StatementFailed,
+    count,
+    cyclic_garbage,
+    drain_wakes,
+    failing_statement,
+    outbox_rows,
+    runs,
+)
 
 
 def wakes(valkey: redis.Redis, settings: OutboxSettings) -> int:
@@ -474,6 +482,31 @@ def test_dispatches_leave_no_reference_cycles(factory: sessionmaker[Session], en
     with factory() as session, session.begin():
         session.add(kept)
     assert kept.resolved_run_id == kept.run_id and kept.deduplicated is False  # read from its run
+
+
+def test_the_objects_of_a_flush_that_fails_after_its_write_read_as_never_written(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """A statement failing after the runs were written and resolved (the group join, the
+    write's last statement; or a Cancel of the same flush) aborts the transaction: the
+    flush's dispatches read as never written, its controls as never applied."""
+    good = Dispatch("audit", tenant_id=2)
+    with failing_statement(engine, "SET group_id"), factory() as session:
+        session.add_all(
+            [good, Group([Dispatch("audit", tenant_id=3)], on_complete=Dispatch("audit", tenant_id=3))]
+        )
+        with pytest.raises(StatementFailed):
+            session.flush()
+    assert (good.resolved_run_id, good.deduplicated) == (None, False)
+    target = uuid.uuid4()
+    first, second = Cancel(run_id=target), Cancel(run_id=uuid.uuid4())
+    again = Dispatch("audit", tenant_id=2)
+    with failing_statement(engine, "cancel_requested_at", nth=2), factory() as session:
+        session.add_all([again, first, second])
+        with pytest.raises(StatementFailed):
+            session.flush()
+    assert (again.resolved_run_id, first.applied, first.results, first.outcome) == (None, False, [], None)
+    assert count(engine, "task_runs") == 0
 
 
 def test_caller_chosen_run_id_is_quietly_deduplicated(
