@@ -85,6 +85,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from itertools import zip_longest
 from typing import Any
 
 import _common as common
@@ -160,6 +161,21 @@ def floor_cte(session: Session, i: int) -> None:
 def add_dispatch(session: Session, i: int) -> None:
     """What the dispatch sides add to the ORM row: one tenant ``Dispatch``."""
     session.add(Dispatch(common.TENANT_TASK, common.PAYLOAD, tenant_id=1 + i % common.TENANTS))
+
+
+Blocks = list[list[float]]
+"""One side's blocks of one round: the seconds of each transaction of each block."""
+
+
+def _rate(blocks: Blocks) -> float:
+    """Transactions per second over ``blocks``."""
+    return sum(map(len, blocks)) / sum(map(sum, blocks))
+
+
+def _by_position(rounds: list[Blocks]) -> list[list[float]]:
+    """The seconds of the 1st, 2nd, ... transaction of every block of every round."""
+    every = (block for blocks in rounds for block in blocks)
+    return [[t for t in seconds if t is not None] for seconds in zip_longest(*every)]
 
 
 def main() -> None:
@@ -244,8 +260,6 @@ def main() -> None:
                     _TRUNCATE + (", procrastinate_jobs" if peers else "") + " RESTART IDENTITY CASCADE"
                 )
 
-        positions: dict[str, list[list[float]]] = {}  # --positions: side -> [position] -> seconds
-
         def txns(factory: sessionmaker[Session], extra: Any, first: int, n: int) -> list[float]:
             """Run ``n`` single-row transactions; the seconds each took."""
             took = []
@@ -295,20 +309,16 @@ def main() -> None:
                     conn.execute(_OUTBOX_INSERT, rows)
             return args.batch * args.batch_txns / (time.perf_counter() - started)
 
-        steady: dict[str, list[float]] = {}  # --block: txn/s per round without each block's first two
-
-        def interleaved(steps: dict[str, tuple[sessionmaker[Session], Any]]) -> dict[str, list[float]]:
-            """``--block``: each round, every side ``args.block`` transactions at a time."""
+        def interleaved(steps: dict[str, tuple[sessionmaker[Session], Any]]) -> dict[str, list[Blocks]]:
+            """``--block``: each round, every side ``args.block`` transactions at a time.
+            Returns per side, per round, the seconds of each transaction of each block."""
             names = list(steps)
-            out: dict[str, list[float]] = {name: [] for name in names}
-            steady.update({name: [] for name in names})
+            out: dict[str, list[Blocks]] = {name: [] for name in names}
             cycle = 0  # which side starts: moves on by one per cycle, across rounds
             for r in range(args.rounds):
                 truncate()
                 idle = True  # the truncate waited on PostgreSQL
-                spent = dict.fromkeys(names, 0.0)
-                later = dict.fromkeys(names, 0.0)  # the same without each block's first two
-                later_n = dict.fromkeys(names, 0)
+                blocks: dict[str, Blocks] = {name: [] for name in names}
                 done = 0
                 while done < args.txns:
                     n = min(args.block, args.txns - done)
@@ -317,24 +327,14 @@ def main() -> None:
                     for name in names[k:] + names[:k]:
                         if idle and args.warm:  # untimed: the machine comes out of an idle gap
                             txns(*steps[name], args.txns + done, args.warm)
-                        took = txns(*steps[name], done, n)
-                        spent[name] += sum(took)
-                        later[name] += sum(took[2:])
-                        later_n[name] += len(took[2:])
-                        if args.positions:
-                            record = positions.setdefault(name, [])
-                            record.extend([] for _ in range(len(took) - len(record)))
-                            for position, seconds in enumerate(took):
-                                record[position].append(seconds)
+                        blocks[name].append(txns(*steps[name], done, n))
                         waited = time.perf_counter()
                         waker.drain(1.0)  # untimed: the block's last wake is its own
                         idle = time.perf_counter() - waited > 0.002
                     done += n
                 for name in names:
-                    out[name].append(args.txns / spent[name])
-                    if later_n[name]:
-                        steady[name].append(later_n[name] / later[name])
-                    print(f"  round {r + 1}/{args.rounds} {name}: {out[name][-1]:,.1f}", flush=True)
+                    out[name].append(blocks[name])
+                    print(f"  round {r + 1}/{args.rounds} {name}: {_rate(blocks[name]):,.1f}", flush=True)
             return out
 
         steps: dict[str, tuple[sessionmaker[Session], Any]] = {
@@ -350,8 +350,10 @@ def main() -> None:
         for factory, extra in steps.values():
             single(factory, extra)
         print("single-row transactions (txn/s):", flush=True)
+        timed: dict[str, list[Blocks]] = {}
         if args.block > 0:
-            singles = interleaved(steps)
+            timed = interleaved(steps)
+            singles = {name: [_rate(blocks) for blocks in rounds] for name, rounds in timed.items()}
         else:
             singles = common.alternate(
                 args.rounds, {name: (lambda step=step: single(*step)) for name, step in steps.items()}
@@ -388,12 +390,20 @@ def main() -> None:
         ["side", "txn/s (median)", "min", "max", "vs orm", "ms/txn"],
         rows,
     )
-    if positions:
-        width = max(len(record) for record in positions.values())
+    # each block from its third transaction on (--block 3 or more): past the burst start
+    steady = {
+        name: [_rate([block[2:] for block in blocks]) for blocks in rounds]
+        for name, rounds in timed.items()
+        if args.block >= 3
+    }
+    if args.positions:
         report.table(
             "Median microseconds of the n-th transaction of a block (--positions)",
-            ["side", *(str(n + 1) for n in range(width))],
-            [[name, *(common.median(t) * 1e6 for t in record)] for name, record in positions.items()],
+            ["side", *(str(n + 1) for n in range(args.block))],
+            [
+                [name, *(common.median(seconds) * 1e6 for seconds in _by_position(rounds))]
+                for name, rounds in timed.items()
+            ],
         )
     bmed = {name: common.median(values) for name, values in batches.items()}
     report.table(
@@ -422,7 +432,7 @@ def main() -> None:
         pr(singles, "orm+dispatch(nowake)", "orm+cte(floor)"),
         None,
     )
-    if any(steady.values()):  # --block 3 or more
+    if steady:
         report.ratio(
             "dispatch / floor, each block from its 3rd transaction on",
             pr(steady, "orm+dispatch", "orm+cte(floor)"),
