@@ -58,12 +58,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from sqla_outbox import charsets, flow, metrics, migrations
+from sqla_outbox import charsets, engines, flow, metrics, migrations
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import error_fields, log_extra
@@ -164,39 +163,11 @@ def scheduling_catalog(settings: OutboxSettings, *, warn: bool = True) -> Catalo
     return builtin_catalog()
 
 
-ENGINE_CONNECT_ARGS: dict[str, Any] = {
-    "keepalives": 1,
-    "keepalives_idle": 10,
-    "keepalives_interval": 5,
-    "keepalives_count": 3,
-    "application_name": "sqla_outbox",
-}
-"""libpq options of the relay's and the worker's engines: TCP keepalives notice a vanished
-peer within about 25 s (10 s idle, then 3 probes 5 s apart)."""
+ENGINE_CONNECT_ARGS = engines.ENGINE_CONNECT_ARGS
+"""Re-exported from :mod:`sqla_outbox.engines`, where it lives."""
 
-
-def make_engine(
-    settings: OutboxSettings, *, pool_size: int = 2, application_name: str | None = None
-) -> Engine:
-    """Engine for relay/worker bookkeeping: pre-ping, TCP keepalives so a vanished peer is
-    noticed within about 25 s, and ``hide_parameters`` so a failed statement's error never
-    carries its parameters (an envelope, a payload) into a log line.
-
-    Args:
-        application_name: The sessions' ``application_name`` (default ``sqla_outbox``);
-            PostgreSQL keeps its first 63 bytes.
-    """
-    connect_args = dict(ENGINE_CONNECT_ARGS)
-    if application_name is not None:
-        connect_args["application_name"] = application_name
-    return sa.create_engine(
-        settings.sqlalchemy_url,
-        pool_size=pool_size,
-        max_overflow=2,
-        pool_pre_ping=True,
-        hide_parameters=True,
-        connect_args=connect_args,
-    )
+make_engine = engines.make_engine
+"""Re-exported from :mod:`sqla_outbox.engines`, where it lives."""
 
 
 class Relay:
