@@ -1,4 +1,4 @@
-"""The docs tell the truth about themselves.
+"""The docs tell the truth about themselves, and speak to users.
 
 Links: every relative link in README.md, CHANGELOG.md, docs/ (with docs/decisions/) and
 benchmarks/README.md names a file that exists, and every ``#anchor`` (on the same page or in
@@ -12,6 +12,14 @@ Paths: a ``docs/...md`` page named by its path (in pyproject.toml's comments, in
 docstrings, comments, help texts and messages, in scripts, and in the docs' own prose and code
 blocks) must exist too, with its ``#anchor``, and the section a quote after it names must begin
 one of its headings: ``--help`` and error messages send users there.
+
+Words: the user docs (README.md and docs/, but not docs/decisions/, the engineering records,
+nor CHANGELOG.md) and what the CLI and the errors say (sqla_outbox/cli/, sqla_outbox/errors.py)
+hold none of the words that only make sense inside the project: citations of its specification
+("SPEC") or of its internal source documents ("reference 001", "BullMQ (001)", "the reference
+design"), its own tracker's issues ("issue 13", "#12 of ours"), review rounds ("round 2") and
+trials. A rule is stated, with its public source (an SQS limit, a PostgreSQL behaviour, an ADR
+in docs/decisions/); a peer's public issue is cited as ``owner/repo#N``, which is allowed.
 """
 
 from __future__ import annotations
@@ -57,6 +65,29 @@ CODE = sorted(
 #: fails the test, so the list only shrinks.
 KNOWN_BROKEN = {
     ("docs/benchmarks.md", "#dashboard-pages"): "the heading is '12. Dashboard pages'",
+}
+
+#: The user docs, whose words are checked, and the code whose texts users read.
+USER_DOCS = sorted(
+    [ROOT / "README.md", *(path for path in (ROOT / "docs").rglob("*.md") if "decisions" not in path.parts)]
+)
+USER_CODE = sorted([ROOT / "sqla_outbox" / "errors.py", *(ROOT / "sqla_outbox" / "cli").rglob("*.py")])
+
+#: Words only the project understands (case-insensitive), each with what to write instead.
+INTERNAL_WORDS = {
+    r"(?-i:\bSPEC\b)(?:\.md)?": "state the rule itself, with its public source",
+    r"(?<![\w/])issues? #?\d+": "say what changed or why; the project's tracker is not the user's",
+    r"#\d+ of ours": "say what changed or why",
+    r"\breference (?:design|\d{3})\b|\(0\d\d\)|shared/reference": "name the public design, or none",
+    r"\bround \d+\b": "say what the review found, not which round",
+    r"\btrials?\b": "say what was found, not how",
+}
+INTERNAL = re.compile("|".join(f"(?:{pattern})" for pattern in INTERNAL_WORDS), re.IGNORECASE)
+
+#: Pages whose words are kept for now, each with why. An entry whose page no longer has any
+#: fails the test, so the list only shrinks.
+WORDS_PENDING = {
+    "docs/benchmarks.md": "being rewritten on another branch",
 }
 
 #: Link schemes that point outside the repository; everything else must resolve inside it.
@@ -247,6 +278,25 @@ def test_every_docs_page_named_by_path_exists() -> None:
     assert not broken, "docs pages named by path that do not exist:\n" + "\n".join(broken)
 
 
+def internal_words(text: str) -> Iterator[tuple[int, str]]:
+    """Each internal word of a text (line number, the word as written)."""
+    for number, line in enumerate(text.splitlines(), start=1):
+        for match in INTERNAL.finditer(line):
+            yield number, match.group(0)
+
+
+def test_user_docs_and_messages_say_no_internal_words() -> None:
+    found = [
+        (_relative(path), number, word)
+        for path in [*USER_DOCS, *USER_CODE]
+        for number, word in internal_words(path.read_text(encoding="utf-8"))
+    ]
+    unexpected = [f"{path}:{number}: {word}" for path, number, word in found if path not in WORDS_PENDING]
+    assert not unexpected, "internal words in user docs and messages:\n" + "\n".join(unexpected)
+    clean = sorted(set(WORDS_PENDING) - {path for path, _, _ in found})
+    assert not clean, "no internal words left, remove from WORDS_PENDING: " + ", ".join(clean)
+
+
 # --- the checker itself ---------------------------------------------------------------------
 
 
@@ -298,3 +348,20 @@ def test_links_skip_code_and_read_every_form() -> None:
         (6, "https://example.com/i.md"),
         (6, "f.md"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("Keep the SPEC values (SPEC.md)", ["SPEC", "SPEC.md"]),
+        (
+            "priority (issue 13; design in ADR 0013), issues 11 and #12 of ours",
+            ["issue 13", "issues 11", "#12 of ours"],
+        ),
+        ("BullMQ (001), reference 001, the reference design", ["(001)", "reference 001", "reference design"]),
+        ("found in round 2 of a trial", ["round 2", "trial"]),
+        ("riverqueue/river#551, a second round, TaskSpec, 403 (401), spec-compliant", []),
+    ],
+)
+def test_internal_words_are_found(text: str, words: list[str]) -> None:
+    assert [word for _, word in internal_words(text)] == words
