@@ -82,7 +82,7 @@ INTERNAL_WORDS = {
     r"\bround \d+\b": "say what the review found, not which round",
     r"\btrials?\b": "say what was found, not how",
 }
-INTERNAL = re.compile("|".join(f"(?:{pattern})" for pattern in INTERNAL_WORDS), re.IGNORECASE)
+INTERNAL = [(re.compile(pattern, re.IGNORECASE), advice) for pattern, advice in INTERNAL_WORDS.items()]
 
 #: Pages whose words are kept for now, each with why. An entry whose page no longer has any
 #: fails the test, so the list only shrinks.
@@ -278,22 +278,32 @@ def test_every_docs_page_named_by_path_exists() -> None:
     assert not broken, "docs pages named by path that do not exist:\n" + "\n".join(broken)
 
 
-def internal_words(text: str) -> Iterator[tuple[int, str]]:
-    """Each internal word of a text (line number, the word as written)."""
+def internal_words(text: str) -> Iterator[tuple[int, str, str]]:
+    """Each internal word of a text (line number, the word as written, what to write instead),
+    in reading order."""
     for number, line in enumerate(text.splitlines(), start=1):
-        for match in INTERNAL.finditer(line):
-            yield number, match.group(0)
+        found = [
+            (match.start(), match.group(0), advice)
+            for pattern, advice in INTERNAL
+            for match in pattern.finditer(line)
+        ]
+        for _, word, advice in sorted(found):
+            yield number, word, advice
 
 
 def test_user_docs_and_messages_say_no_internal_words() -> None:
     found = [
-        (_relative(path), number, word)
+        (_relative(path), number, word, advice)
         for path in [*USER_DOCS, *USER_CODE]
-        for number, word in internal_words(path.read_text(encoding="utf-8"))
+        for number, word, advice in internal_words(path.read_text(encoding="utf-8"))
     ]
-    unexpected = [f"{path}:{number}: {word}" for path, number, word in found if path not in WORDS_PENDING]
+    unexpected = [
+        f"{path}:{number}: {word} ({advice})"
+        for path, number, word, advice in found
+        if path not in WORDS_PENDING
+    ]
     assert not unexpected, "internal words in user docs and messages:\n" + "\n".join(unexpected)
-    clean = sorted(set(WORDS_PENDING) - {path for path, _, _ in found})
+    clean = sorted(set(WORDS_PENDING) - {path for path, *_ in found})
     assert not clean, "no internal words left, remove from WORDS_PENDING: " + ", ".join(clean)
 
 
@@ -364,4 +374,4 @@ def test_links_skip_code_and_read_every_form() -> None:
     ],
 )
 def test_internal_words_are_found(text: str, words: list[str]) -> None:
-    assert [word for _, word in internal_words(text)] == words
+    assert [word for _, word, _ in internal_words(text)] == words
