@@ -57,16 +57,17 @@ of the number of sides). After each block the waker's pending push is waited for
 to the side after it. On a machine whose commit time wanders from one second to the next,
 a side measured in one piece of half a second to a second meets a slow or a fast stretch
 alone: the medians of 5 per-round ratios scattered from 0.73 to 1.12 for the same code
-(``results/issue17/ab_dispatch_floor_10.json``); in blocks of 10 every stretch is shared by
-all sides. The default, 0, runs each side in one piece, as before. ``N`` larger than
-``--txns`` is taken as ``--txns`` (and recorded so).
+(an A/B run of 2026-12-02, ``benchmarks/results/issue17/ab_dispatch_floor_10.json`` at
+commit bc6b34f); in blocks of 10 every stretch is shared by all sides. The default, 0, runs
+each side in one piece, as before. ``N`` larger than ``--txns`` is taken as ``--txns`` (and
+recorded so).
 
 With ``--block``, a side whose block follows an idle gap (the round's truncate, or the
 wait for the waker's last push after a dispatch block, 10 ms or more) first runs
 ``--warm`` untimed transactions (default 5). On this 2-vCPU virtual machine the
 transactions after an idle gap of some milliseconds run slow, the first up to three times
 the rest, over about four transactions (per-position medians over the 400 blocks of
-each side in 20 rounds: docs/benchmarks.md, "A fourth day"). Without the warm-up, that cost fell on
+each side in 20 rounds: docs/benchmarks.md#dispatch). Without the warm-up, that cost fell on
 the side after the dispatch side, always ``orm+dispatch(nowake)``: it read 5 to 10 %
 slower than the side with the wake, and the wake's cost came out negative.
 ``--positions`` prints each side's median time of the first, second, ... transaction of
@@ -77,7 +78,7 @@ from its third transaction on (every side alike). A block of dispatches begins a
 the waker (its thread wakes from its queue, the first commit is pushed at once), which
 costs the block's first two transactions about 0.2 ms each here; a sustained stream of
 dispatches is one burst, pushed once per 10 ms, so blocks of 10 charge dispatch a burst
-start that sustained dispatching pays once (docs/benchmarks.md, "A fourth day").
+start that sustained dispatching pays once (docs/benchmarks.md#dispatch).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""What-if: the library changes that docs/benchmarks.md recommends, measured before they exist.
+"""What-if: the changes issue 8's findings recommended, measured before they existed.
+
+The findings (D1-W4) are in ``docs/benchmarks.md`` at commit bc6b34f; most have landed since.
 
 Each experiment monkeypatches ONE instance (never the library's files) with the change
 a finding recommends and runs it beside the unchanged library in the same run,

@@ -25,10 +25,11 @@ Layers, top to bottom (``docs/architecture.md``; checked by ``lint-imports``): `
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import uuid
 from typing import TYPE_CHECKING, Any
+
+from sqla_outbox import lazy
 
 # The submodule ``sqla_outbox.dispatch`` is imported here, before the ``dispatch()`` helper
 # below is defined: importing it later would replace the package attribute ``dispatch``.
@@ -94,24 +95,9 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import public names and submodules on first use, so ``import sqla_outbox`` (and the
-    pytest plugin, in projects that never use it) stays cheap."""
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{name}":
-            raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy.attributes(__name__, _EXPORTS, __all__)
+"""Public names and submodules are imported on first use, so ``import sqla_outbox`` (and
+the pytest plugin, in projects that never use it) stays cheap."""
 
 
 def _sync_only(session: Any, helper: str) -> None:

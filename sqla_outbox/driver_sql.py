@@ -4,8 +4,8 @@
 builds its parameters through the dialect's bind handling on every call. For the write a
 dispatching flush makes (one statement per flush, on the application's own connection)
 that is about a quarter of the statement's client-side instructions (measured with
-callgrind: 235,000 against 166,000 per statement; ``docs/benchmarks.md``, issue 17 part 4,
-fourth pass). :func:`execute` compiles each statement once per dialect and runs it with
+callgrind: 235,000 against 166,000 per statement; ADR 0017, item 9;
+``docs/benchmarks.md``). :func:`execute` compiles each statement once per dialect and runs it with
 ``Connection.exec_driver_sql``, which keeps the same connection and transaction, the
 cursor-level events (``before_cursor_execute``, ``after_cursor_execute``, ``handle_error``),
 ``echo`` logging, and SQLAlchemy's error translation (a foreign-key violation is still

@@ -166,8 +166,8 @@ def dumps(value: Any) -> str:
     """Compact UTF-8 JSON whose every character SQS and PostgreSQL accept.
 
     Encoded by ``orjson`` (compact, UTF-8, keys in insertion order), which takes about a
-    tenth of the ``json`` module's instructions for an envelope (``docs/benchmarks.md``,
-    issue 17 part 4, fifth pass), when ``value`` is made of the exact built-in types; the
+    tenth of the ``json`` module's instructions for an envelope (ADR 0017, item 11;
+    ``docs/benchmarks.md``), when ``value`` is made of the exact built-in types; the
     text is then exactly what ``json.dumps(value, separators=(",", ":"),
     ensure_ascii=False)`` writes, but for floats, written in their shortest round-trip form
     (``1e-05`` may read ``0.00001``: the same number). Anything else goes to the ``json``

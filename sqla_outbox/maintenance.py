@@ -1,6 +1,6 @@
 """Built-in maintenance: the ``maintenance.purge`` task and the purge it runs.
 
-What is deleted (SPEC "Maintenance"; issue 6, item 3):
+What is deleted (``docs/operations.md``, "Purge"):
 
 * **sent outbox rows** of ``outbox_messages`` and ``platform_outbox_messages`` whose
   ``sent_at`` is older than ``purge_sent_after_days`` (default 7 days) **and whose run is

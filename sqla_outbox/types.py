@@ -41,7 +41,7 @@ RunId: TypeAlias = uuid.UUID
 class QueueName(enum.StrEnum):
     """The four logical queues. The database CHECK constraints allow exactly these names.
 
-    Visibility timeouts (SPEC "Queues"): critical 60 s, default 120 s, bulk 15 min,
+    Default visibility timeouts (docs/concepts.md, "Queues"): critical 60 s, default 120 s, bulk 15 min,
     maintenance 5 min.
     """
 
@@ -78,7 +78,7 @@ VISIBILITY_TIMEOUT_SECONDS: dict[str, int] = {
     "bulk": 15 * 60,
     "maintenance": 5 * 60,
 }
-"""Per-queue SQS visibility timeout in seconds (SPEC "Queues")."""
+"""Per-queue SQS visibility timeout in seconds, the default (docs/concepts.md, "Queues")."""
 
 
 class RunStatus(enum.StrEnum):

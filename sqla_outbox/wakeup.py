@@ -220,7 +220,7 @@ class Waker:
     """During a burst of commits, at most one push per 10 ms: the relay's pass reads
     everything committed before the wake it answers, so more would only cost CPU in the
     application and Valkey (at 2 ms the pushes cost a one-dispatch transaction about 5 %
-    of its throughput: docs/benchmarks.md, issue 17). An isolated commit (none in the
+    of its throughput: ADR 0017, item 8; docs/benchmarks.md). An isolated commit (none in the
     10 ms before it) is pushed at once; a commit in a burst waits at most 10 ms, while the
     relay is usually still busy with the burst's earlier wakes."""
 

@@ -311,7 +311,7 @@ def _write_single(connection: Connection, run: PreparedRun, notify: bool) -> int
     """:func:`write_runs` for a flush of one run, the usual flush: the same statements and
     outcome, without the bookkeeping only several runs, fan-outs or groups need (twins in one
     flush, per-run sets and lists: about 20,000 instructions of a one-dispatch transaction's
-    450,000, ``docs/benchmarks.md``, issue 17 part 4, fifth pass)."""
+    450,000: ADR 0017, item 11; ``docs/benchmarks.md``)."""
     pending = [run]
     try:
         for _ in range(_INSERT_ATTEMPTS):  # as write_runs

@@ -13,7 +13,7 @@ from sqla_outbox.config import OutboxSettings, env_names, reference_markdown
 @click.option("--json", "as_json", is_flag=True, help="Print the settings as JSON.")
 @click.option("--reference", is_flag=True, help="Print the configuration reference (Markdown).")
 def config_command(as_json: bool, reference: bool) -> None:
-    """Show the settings in effect here (from the environment; passwords and keys masked)."""
+    """Show the settings in effect here (from the environment; URL passwords and secrets masked)."""
     if reference:
         click.echo(reference_markdown(), nl=False)
         return

@@ -7,8 +7,8 @@ A requeue never sends to SQS itself. For each selected run, in **one transaction
    * the run exists and its status is ``failed`` (a ``queued``/``running``/``retrying``
      run is still being worked on, and a ``succeeded`` one is done: both are skipped);
    * no *other* unfinished run holds the same task + tenant + idempotency key (the
-     partial unique indexes ``task_runs_idempotency_*_key`` allow one; SPEC "Application
-     API"). A newer dispatch with that key won; the old run is skipped. The check is
+     partial unique indexes ``task_runs_idempotency_*_key`` allow one; ``docs/dispatch.md``,
+     ``idempotency_key``). A newer dispatch with that key won; the old run is skipped. The check is
      repeated by the index itself: a concurrent dispatch that slips in is caught as a
      unique violation and reported the same way;
 

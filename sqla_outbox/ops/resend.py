@@ -10,7 +10,7 @@ SQS itself: both make the run's outbox row pending again, and the relay sends it
   them back. Guarded, per run, in one transaction with the run row locked
   (``FOR UPDATE``): the row must be parked, its run ``failed`` (nothing else moved it),
   and no other unfinished run may hold the run's task + tenant + idempotency key (the
-  partial unique indexes allow one; SPEC "Application API"). Then: the row's
+  partial unique indexes allow one; ``docs/dispatch.md``, ``idempotency_key``). Then: the row's
   ``parked_at`` is cleared, ``attempts`` reset, ``available_at`` now; the run goes back to
   ``queued`` (``finished_at`` cleared; ``attempts`` and ``last_error*`` kept as history);
   a trail row records it (detail ``{"unparked_by": "operator", "from": "failed"}``).

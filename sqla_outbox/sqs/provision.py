@@ -7,7 +7,7 @@ task catalog declares, :class:`sqla_outbox.catalog.QueueSpec`):
   because a message keeps its original enqueue time when SQS moves it there (SQS
   Developer Guide, "Using dead-letter queues").
 * ``<prefix>q`` — the source queue; visibility timeout from the settings
-  (``visibility_timeout_<q>_seconds``; SPEC defaults critical 60 s, default 120 s, bulk
+  (``visibility_timeout_<q>_seconds``; defaults critical 60 s, default 120 s, bulk
   15 min, maintenance 5 min; a declared queue's ``visibility_timeout_seconds``;
   ``queue_visibility_timeouts`` overrides either), messages kept
   ``sqs_message_retention_seconds`` or a declared queue's own (default

@@ -1,8 +1,8 @@
 """Deferring a run: hand it back to the outbox instead of running it, at no cost to the run.
 
 The worker-side primitive for every "hold back" path (a rolling deploy today; rate
-limits, concurrency caps, open breakers and pauses reuse it). SPEC: holding work back
-never spends a run's attempts or SQS receive budget and never sends it to the DLQ.
+limits, concurrency caps, open breakers and pauses reuse it). The rule (ADR 0010): holding
+work back never spends a run's attempts or SQS receive budget and never sends it to the DLQ.
 
 Returning the message to its queue (ChangeMessageVisibility) would spend budget: SQS
 counts every receive toward the redrive ``maxReceiveCount``, and a message that waits

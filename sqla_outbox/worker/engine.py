@@ -15,7 +15,8 @@ connection that sat in the pool for at least :data:`IDLE_PING_SECONDS` (the patt
 SQLAlchemy's "Disconnect Handling - Pessimistic" with a custom ``checkout`` event).
 A connection that broke while busy fails its statement instead; nothing is lost: the run's
 lease or verdict was not committed, so its message comes back (decision 0004). TCP
-keepalives (``make_engine``) notice a vanished server within about 25 s either way.
+keepalives (:data:`sqla_outbox.engines.ENGINE_CONNECT_ARGS`) notice a vanished server
+within about 25 s either way.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import event, exc
 
+from sqla_outbox import engines
 from sqla_outbox.config import OutboxSettings
-from sqla_outbox.relay import ENGINE_CONNECT_ARGS
 
 IDLE_PING_SECONDS = 5.0
 """A connection idle in the pool at least this long is pinged before use."""
@@ -68,7 +69,7 @@ def make_worker_engine(settings: OutboxSettings) -> sa.Engine:
         pool_size=settings.worker_db_pool_size,
         max_overflow=0,
         hide_parameters=True,
-        connect_args=dict(ENGINE_CONNECT_ARGS),
+        connect_args=dict(engines.ENGINE_CONNECT_ARGS),
     )
     ping_idle_connections(engine)
     return engine

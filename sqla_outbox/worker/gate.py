@@ -6,7 +6,7 @@ Before a worker takes a run's lease, a task that declared flow control
 concurrency cap and its rate limit, and only when all three allow it records the
 admission in each (so a refused run consumes nothing). A refused run is deferred
 through the outbox by the caller (:mod:`sqla_outbox.worker.deferral`): no attempt, no
-receive and no DLQ are spent on it (SPEC; ADR 0010, 0014).
+receive and no DLQ are spent on it (ADR 0010, 0014).
 
 State in Valkey, under ``sqla_outbox:limits:<queue_prefix>`` (so deployments and tests
 sharing a Valkey do not meet):

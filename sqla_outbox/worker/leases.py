@@ -3,7 +3,7 @@
 A receive brings up to 10 messages, and the worker starts a handling task for each in the
 same event-loop turn; each then needs its run's lease
 (:func:`sqla_outbox.lifecycle.attempts.take_lease`). Taken one by one, that is a thread hop, a
-checkout, a ``BEGIN`` and a ``COMMIT`` per message (issue 8 finding W2). :class:`LeaseBatcher`
+checkout, a ``BEGIN`` and a ``COMMIT`` per message (ADR 0017, item 4). :class:`LeaseBatcher`
 collects the requests made in one loop turn and takes them in one transaction on one I/O
 thread: one commit for the batch, the same statement per run as before, so every rule of
 ``take_lease`` (the envelope compared with the outbox row, the due time, a live lease

@@ -1,6 +1,6 @@
 """What real relay, worker and CLI processes print: never a payload, never a password.
 
-Issue 12 (2) and (5); ``docs/security.md`` ("Logs and terminals") cites these tests.
+Issue 12 (2) and (5); ``docs/security.md`` ("Log readers") cites these tests.
 """
 
 from __future__ import annotations

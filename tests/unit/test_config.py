@@ -75,8 +75,8 @@ def test_bad_values_name_the_variable(env: dict[str, str], variable: str) -> Non
         ("SQLA_OUTBOX_WORKER_WAIT_SECONDS", "21", "got 21"),
         ("SQLA_OUTBOX_MAX_MESSAGE_BYTES", "2000000", "got 2000000"),
         ("SQLA_OUTBOX_WAKE_LIST_MAX", "0", "must be >= 1, got 0"),
-        ("SQLA_OUTBOX_WAKE_RETRY_SECONDS", "-2.5", "must be >= 0, got -2.5"),
-        ("SQLA_OUTBOX_WAKE_RETRY_SECONDS", "-3", "must be >= 0, got -3"),
+        ("SQLA_OUTBOX_WAKE_RETRY_SECONDS", "-2.5", "must be >= 0 s, got -2.5"),
+        ("SQLA_OUTBOX_WAKE_RETRY_SECONDS", "-3", "must be >= 0 s, got -3"),
     ],
 )
 def test_a_refused_number_is_shown_with_its_value(variable: str, raw: str, shown: str) -> None:
@@ -188,10 +188,10 @@ def test_sqs_endpoint_must_be_an_http_url(url: str) -> None:
 
 
 def test_signing_key_length_is_documented_and_enforced() -> None:
-    import dataclasses
+    from sqla_outbox.config import reference_markdown
 
-    field = {f.name: f for f in dataclasses.fields(OutboxSettings)}["signing_keys"]
-    assert "at least 16 characters" in field.metadata["doc"]
+    row = next(line for line in reference_markdown().splitlines() if line.startswith("| `signing_keys`"))
+    assert "each entry at least 16 characters" in row and "| yes |" in row
     with pytest.raises(errors.ConfigurationError, match="at least 16 characters"):
         OutboxSettings.from_env({"SQLA_OUTBOX_SIGNING_KEYS": "short," + "k" * 16})
 
@@ -245,7 +245,9 @@ def test_wake_mode_says_which_wakes_are_in_force() -> None:
         assert settings.wake_valkey_url == (url if "valkey" in channels else None)
     assert OutboxSettings.from_env({"SQLA_OUTBOX_WAKE_MODE": " Postgres "}).wake_mode == "postgres"
     with pytest.raises(
-        errors.ConfigurationError, match=r"^SQLA_OUTBOX_WAKE_MODE: 'notify' is not a wake mode"
+        errors.ConfigurationError,
+        match=r"^SQLA_OUTBOX_WAKE_MODE: must be a wake mode \(auto, valkey, postgres, both, none\), "
+        r"got 'notify'$",
     ):
         OutboxSettings.from_env({"SQLA_OUTBOX_WAKE_MODE": "notify"})
 
