@@ -582,8 +582,8 @@ def test_a_purged_outbox_row_is_recreated_from_the_dlq_envelope(
     relay: Relay,
     waker: Waker,
 ) -> None:
-    tenant_run = dispatch(app, "audit", {"n": 1}, tenant_id=6)
-    platform_run = dispatch(app, "rebuild_cache", {"n": 2})
+    tenant_run = dispatch(app, "audit", {"n": 1}, tenant_id=6, priority=7)
+    platform_run = dispatch(app, "rebuild_cache", {"n": 2}, priority=1)
     relay.run_once()
     fail_into_dlq(engine, sqs, ops_settings, "default", {tenant_run})
     fail_into_dlq(engine, sqs, ops_settings, "maintenance", {platform_run})
@@ -615,7 +615,17 @@ def test_a_purged_outbox_row_is_recreated_from_the_dlq_envelope(
         )
     with engine.connect() as conn:
         tenant = conn.execute(sa.text("SELECT tenant_id FROM outbox_messages")).scalar_one()
+        priorities = dict(
+            conn.execute(
+                sa.text(
+                    "SELECT run_id, priority FROM outbox_messages UNION ALL "
+                    "SELECT run_id, priority FROM platform_outbox_messages"
+                )
+            ).all()
+        )
     assert tenant == 6
+    # an operator's requeue goes out at the manual priority (2), or the run's own if higher
+    assert priorities == {tenant_run: 2, platform_run: 1}
     assert relay.run_once().sent == 2
 
 

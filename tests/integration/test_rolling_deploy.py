@@ -132,6 +132,23 @@ def test_a_purged_outbox_row_is_put_back_from_the_received_envelope(
     assert row.envelope == json.loads(env.encode())
 
 
+@pytest.mark.parametrize("priority", [1, 8])
+def test_a_purged_outbox_row_put_back_keeps_the_runs_priority(
+    app: sessionmaker[Session], engine: sa.Engine, priority: int
+) -> None:
+    """The re-written row takes its priority from the run (task_runs.priority), not the
+    column's default: a priority-8 run deferred after the purge must not jump the queue, nor
+    a priority-1 run fall behind."""
+    run_id = dispatch(app, "send_welcome", tenant_id=3, priority=priority)
+    assert run_row(engine, run_id).priority == priority
+    env = received_document(engine, run_id)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM outbox_messages"))
+    assert defer(engine, env).status is DeferStatus.DEFERRED
+    [row] = outbox_rows(engine)
+    assert (row.run_id, row.priority, row.queue) == (run_id, priority, env.queue)
+
+
 def test_a_deferral_never_makes_a_delayed_run_due_earlier(
     app: sessionmaker[Session], engine: sa.Engine
 ) -> None:
