@@ -13,7 +13,7 @@ process, sides alternating per round (``--rounds``), ``--txns`` transactions per
     one ``Cancel(task=..., tenant_id=..., idempotency_key=...)`` per transaction.
 ``cancel check (8 runs)``
     the worker heartbeat's query for cancel requests of 8 running runs
-    (:func:`sqla_outbox.worker.runs.cancel_requests`), one per call.
+    (:func:`sqla_outbox.lifecycle.attempts.cancel_requests`), one per call.
 
 Figures: transactions (or calls) per second, median over rounds, and the per-transaction
 latency percentiles of the last round.
@@ -30,7 +30,7 @@ from sqlalchemy.orm import sessionmaker
 
 import sqla_outbox
 from sqla_outbox import Cancel, Dispatch
-from sqla_outbox.worker import runs
+from sqla_outbox.lifecycle import attempts
 
 
 def main() -> None:
@@ -96,7 +96,7 @@ def main() -> None:
 
             def one() -> None:
                 with engine.begin() as connection:
-                    runs.cancel_requests(connection, held)
+                    attempts.cancel_requests(connection, held)
 
             return timed("cancel check (8 runs)", one)
 

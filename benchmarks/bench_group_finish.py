@@ -1,8 +1,8 @@
 """Group finishing cost: what the group trigger adds to a member's finishing transaction.
 
 One connection, one process. Each side writes ``--runs`` runs (not timed), then finishes
-them one transaction each, as a worker does: take the lease (``runs.take_lease``) and mark
-the run succeeded (``runs.mark_succeeded``) in one transaction. Timed: the finishing
+them one transaction each, as a worker does: take the lease (``attempts.take_lease``) and mark
+the run succeeded (``attempts.mark_succeeded``) in one transaction. Timed: the finishing
 transactions only. Sides, alternated ``--rounds`` times:
 
 ``plain``
@@ -44,12 +44,12 @@ def _write(maker: Any, count: int, group_size: int | None) -> list[Any]:
 
 
 def _finish(engine: sa.Engine, ids: list[Any]) -> float:
-    from sqla_outbox.worker import runs
+    from sqla_outbox.lifecycle import attempts
 
     started = time.perf_counter()
     with engine.connect() as conn:
         for run_id in ids:
-            claim = runs.take_lease(
+            claim = attempts.take_lease(
                 conn,
                 run_id=run_id,
                 task=common.TASK,
@@ -59,7 +59,7 @@ def _finish(engine: sa.Engine, ids: list[Any]) -> float:
                 receive_count=1,
                 honour_due_time=False,
             )
-            runs.mark_succeeded(conn, runs.Attempt(run_id, claim.attempt, 1, "bench"))
+            attempts.mark_succeeded(conn, attempts.Attempt(run_id, claim.attempt, 1, "bench"))
             conn.commit()
     return len(ids) / (time.perf_counter() - started)
 

@@ -50,7 +50,7 @@ def main() -> None:
 
     import sqla_outbox
     from sqla_outbox import Dispatch
-    from sqla_outbox.worker import runs as worker_runs
+    from sqla_outbox.lifecycle import attempts
 
     report = common.Report(
         "bench_run_indexes", args, {"rounds": args.rounds, "txns": args.txns, "background": args.background}
@@ -99,7 +99,7 @@ def main() -> None:
             started = time.perf_counter()
             for run_id, tenant_id in queued:
                 with engine.begin() as conn:
-                    claim = worker_runs.take_lease(
+                    claim = attempts.take_lease(
                         conn,
                         run_id=run_id,
                         task=common.TENANT_TASK,
@@ -110,8 +110,8 @@ def main() -> None:
                     )
                     assert claim.attempt is not None
                 with engine.begin() as conn:
-                    attempt = worker_runs.Attempt(run_id, claim.attempt, 1, "bench:1")
-                    assert worker_runs.mark_succeeded(conn, attempt)
+                    attempt = attempts.Attempt(run_id, claim.attempt, 1, "bench:1")
+                    assert attempts.mark_succeeded(conn, attempt)
             return len(queued) / (time.perf_counter() - started)
 
         sides: dict[str, Any] = {

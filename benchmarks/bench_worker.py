@@ -58,10 +58,10 @@ def main() -> None:
 
     from sqlalchemy.orm import Session
 
+    from sqla_outbox.lifecycle import attempts
     from sqla_outbox.relay.claim import ClaimedRow
     from sqla_outbox.relay.send import build_entry
     from sqla_outbox.sqs.client import make_client
-    from sqla_outbox.worker import runs
     from sqla_outbox.worker.consumer import Worker
     from sqla_outbox.worker.registry import Registry
 
@@ -211,7 +211,7 @@ def main() -> None:
             started = time.perf_counter()
             for run_id, task, tenant_id, document in todo:
                 with engine.begin() as conn:
-                    claim = runs.take_lease(
+                    claim = attempts.take_lease(
                         conn,
                         run_id=run_id,
                         task=task,
@@ -221,11 +221,11 @@ def main() -> None:
                         receive_count=1,
                         document=document if check_envelope else None,
                     )
-                    if claim.status is not runs.ClaimStatus.CLAIMED:
+                    if claim.status is not attempts.ClaimStatus.CLAIMED:
                         raise RuntimeError(f"take_lease: {claim.status}")
                 with Session(engine) as session:
-                    if not runs.mark_succeeded(
-                        session.connection(), runs.Attempt(run_id, claim.attempt, 1, "bench")
+                    if not attempts.mark_succeeded(
+                        session.connection(), attempts.Attempt(run_id, claim.attempt, 1, "bench")
                     ):
                         raise RuntimeError("mark_succeeded matched nothing")
                     session.commit()

@@ -17,7 +17,11 @@ Who uses it:
 * the worker, after a transient failure: :func:`equal_jitter` of ``exponential_seconds(
   receive_count - 1, ...)``: uniformly between **half and all** of the nominal delay
   (AWS Architecture Blog, "Exponential Backoff And Jitter", equal jitter), so the base is
-  the nominal first delay, not a minimum: the first retry waits between base/2 and base.
+  the nominal first delay, not a minimum: the first retry waits between base/2 and base;
+* the loops that wait for a database, SQS or Valkey to come back: :class:`Doubling`.
+
+The rules that choose base, cap and jitter for a run's retries live in
+:mod:`sqla_outbox.lifecycle.retry`.
 
 This module imports nothing from the package (a leaf).
 """
@@ -65,3 +69,40 @@ def equal_jitter(seconds: float, rng: random.Random | None = None) -> float:
     if rng is not None:
         return rng.uniform(seconds / 2, seconds)
     return random.uniform(seconds / 2, seconds)  # noqa: S311 - jitter, not a secret
+
+
+class Doubling:
+    """A reconnect delay: ``first`` seconds, doubling each time it grows, at most ``cap``.
+
+    The loops that wait for a service to come back keep one: they wait :attr:`current`,
+    call :meth:`grow` after another failure and :meth:`reset` once the service answers.
+
+    Args:
+        first: The first delay, seconds (> 0, finite).
+        cap: The largest delay, seconds (>= ``first``, finite).
+
+    Raises:
+        ValueError: ``first`` or ``cap`` is out of range.
+    """
+
+    def __init__(self, first: float, cap: float) -> None:
+        if not (math.isfinite(first) and math.isfinite(cap)) or first <= 0 or cap < first:
+            raise ValueError(f"need 0 < first <= cap, both finite; got {first!r} and {cap!r}")
+        self.first = first
+        self.cap = cap
+        self._failures = 0
+
+    @property
+    def current(self) -> float:
+        """The delay to wait now, seconds: ``min(cap, first * 2 ** failures)``."""
+        return exponential_seconds(self._failures, base=self.first, cap=self.cap)
+
+    def grow(self) -> float:
+        """Count one more failure; return the new :attr:`current`."""
+        if self.current < self.cap:
+            self._failures += 1
+        return self.current
+
+    def reset(self) -> None:
+        """Back to ``first`` (the service answered)."""
+        self._failures = 0

@@ -33,6 +33,7 @@ from typing import Any
 from sqlalchemy import text
 
 from sqla_outbox import errors
+from sqla_outbox.lifecycle import sending
 from sqla_outbox.types import WAKE_CHANNEL, is_name, is_queue_name
 
 SCOPES = ("task", "tenant", "queue")
@@ -164,15 +165,7 @@ _RELEASE_FILTER = {
 
 
 def _release_sql(table: str, scope: str) -> Any:
-    return text(
-        f"""
-UPDATE {table} AS o SET available_at = clock_timestamp()
-FROM task_runs AS r
-WHERE r.run_id = o.run_id AND o.sent_at IS NULL AND o.parked_at IS NULL
-  AND o.available_at > clock_timestamp() AND r.available_at <= clock_timestamp()
-  AND {_RELEASE_FILTER[scope]}
-"""
-    )
+    return sending.release_statement(table, which=_RELEASE_FILTER[scope])
 
 
 _RELEASE = {

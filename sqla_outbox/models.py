@@ -232,6 +232,9 @@ class TaskRun(Base):
             (``sqla_outbox.results``).
         group_id: The :class:`TaskGroup` the run is a member of, or NULL. Written at
             dispatch by ``sqla_outbox.Group``.
+        priority: 1..10, lower first (default 3): the priority the run was dispatched
+            with (sqlaob_0008), copied to its outbox row; a statement that writes the
+            outbox row again after a purge takes it from here.
     """
 
     __tablename__ = "task_runs"
@@ -258,11 +261,14 @@ class TaskRun(Base):
     cancel_requested_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
     result: Mapped[Any | None] = mapped_column(JSONB)
     group_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    # sqlaob_0008: the run's own priority
+    priority: Mapped[int] = mapped_column(SmallInteger, server_default=text("3"))
 
     __table_args__ = (
         CheckConstraint("attempts >= 0", name="attempts"),
         CheckConstraint(f"queue IN ({_QUEUE_LIST})", name="queue"),
         CheckConstraint(f"status IN ({_STATUS_LIST})", name="status"),
+        CheckConstraint("priority BETWEEN 1 AND 10", name="priority"),
         Index(
             "task_runs_idempotency_tenant_key",
             "tenant_id",

@@ -38,7 +38,7 @@ from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
-from sqla_outbox import errors
+from sqla_outbox import backoff, errors
 from sqla_outbox.types import FINISHED_STATUSES, JSONValue
 
 FIRST_POLL_SECONDS = 0.02
@@ -132,13 +132,13 @@ def _check_wait(wait: float | None) -> float | None:
 
 def _delays(wait: float) -> Any:
     deadline = time.monotonic() + wait
-    delay = FIRST_POLL_SECONDS
+    delay = backoff.Doubling(FIRST_POLL_SECONDS, MAX_POLL_SECONDS)
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             return
-        yield min(delay, left)
-        delay = min(delay * 2, MAX_POLL_SECONDS)
+        yield min(delay.current, left)
+        delay.grow()
 
 
 def get_result(

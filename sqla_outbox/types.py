@@ -68,6 +68,10 @@ def is_queue_name(value: object) -> bool:
     return isinstance(value, str) and _QUEUE_NAME.fullmatch(value) is not None
 
 
+SQS_MAX_VISIBILITY_SECONDS = 43_200
+"""Largest visibility timeout SQS accepts, and the longest a received message can stay hidden
+in all, counted from its first receive: 12 hours (SQS ChangeMessageVisibility quota)."""
+
 VISIBILITY_TIMEOUT_SECONDS: dict[str, int] = {
     "critical": 60,
     "default": 120,

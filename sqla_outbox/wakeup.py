@@ -55,7 +55,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from sqla_outbox import errors, metrics
+from sqla_outbox import backoff, errors, metrics
 from sqla_outbox.config import VALKEY_SCHEMES, OutboxSettings, redact_url
 from sqla_outbox.logging import log_extra
 
@@ -418,12 +418,16 @@ class WakeListener:
         assert self.url is not None
         client = _listener_client(self.url, self.timeout + 5)
         trouble: str | None = None  # "outage" or "unusable"
-        backoff = 0.0
+        delays = {
+            "outage": backoff.Doubling(*self.OUTAGE_BACKOFF_SECONDS),
+            "unusable": backoff.Doubling(*self.UNUSABLE_BACKOFF_SECONDS),
+        }
         while not self._stop.is_set():
             try:
                 if trouble == "outage":
                     client.ping()  # know at once that Valkey is back, not after a BLPOP timeout
-                    trouble, backoff = None, 0.0
+                    trouble = None
+                    delays["outage"].reset()
                     self.connected = True
                     logger.info("wake listener reconnected", extra=log_extra(action="relay.wake_recovered"))
                     self.on_wake()  # wakes pushed during the outage were lost: look now
@@ -435,8 +439,8 @@ class WakeListener:
                 if trouble != "unusable":
                     self._warn_unusable(client, exc)
                 trouble = "unusable"
-                backoff = self._next(backoff, self.UNUSABLE_BACKOFF_SECONDS)
-                self._stop.wait(backoff)
+                self._stop.wait(delays["unusable"].current)
+                delays["unusable"].grow()
                 continue
             except (redis.RedisError, OSError) as exc:
                 self.problems += 1
@@ -452,8 +456,8 @@ class WakeListener:
                         ),
                     )
                 trouble = "outage"
-                backoff = self._next(backoff, self.OUTAGE_BACKOFF_SECONDS)
-                self._stop.wait(backoff)
+                self._stop.wait(delays["outage"].current)
+                delays["outage"].grow()
                 continue
             self.connected = True
             if trouble == "unusable":
@@ -461,7 +465,9 @@ class WakeListener:
                     "wake key usable again",
                     extra=log_extra(action="relay.wake_key_usable", wake_key=self.key),
                 )
-            trouble, backoff = None, 0.0
+            trouble = None
+            for delay in delays.values():
+                delay.reset()
             if item is None:
                 continue
             self.wakes += 1
@@ -471,11 +477,6 @@ class WakeListener:
             except (redis.RedisError, OSError):
                 pass  # the next BLPOP reports whatever is wrong
         client.close()
-
-    @staticmethod
-    def _next(backoff: float, bounds: tuple[float, float]) -> float:
-        first, cap = bounds
-        return first if backoff <= 0 else min(backoff * 2, cap)
 
     def _warn_unusable(self, client: redis.Redis, exc: BaseException) -> None:
         """One warning naming the key and what is wrong with it (its type, if it has one)."""

@@ -74,9 +74,9 @@ dumper (quoting and escaping every envelope) several times the statement itself.
 _WRITES = """
 runs AS (
     INSERT INTO task_runs (run_id, task, event, queue, tenant_id, idempotency_key,
-                           available_at)
+                           available_at, priority)
     SELECT run_id, task, event, queue, tenant_id, idempotency_key,
-           COALESCE(available_at, clock_timestamp() + delay)
+           COALESCE(available_at, clock_timestamp() + delay), priority
     FROM input ORDER BY ord
     ON CONFLICT DO NOTHING
     RETURNING run_id, available_at
@@ -140,13 +140,14 @@ def _insert_one(table: str, notify: bool, plain: bool) -> Any:
     tenant_column = "tenant_id, " if table == "outbox_messages" else ""
     tenant_value = ":tenant_id, " if table == "outbox_messages" else ""
     if plain:
-        run_insert = """INSERT INTO task_runs (run_id, task, queue, tenant_id, available_at)
-    VALUES (:run_id, :task, :queue, :tenant_id, clock_timestamp())"""
+        run_insert = """INSERT INTO task_runs (run_id, task, queue, tenant_id, available_at, priority)
+    VALUES (:run_id, :task, :queue, :tenant_id, clock_timestamp(), :priority)"""
     else:
         run_insert = """INSERT INTO task_runs (run_id, task, event, queue, tenant_id, idempotency_key,
-                           available_at)
+                           available_at, priority)
     VALUES (:run_id, :task, :event, :queue, :tenant_id, :key,
-            COALESCE(CAST(:available_at AS timestamptz), clock_timestamp() + CAST(:delay AS interval)))"""
+            COALESCE(CAST(:available_at AS timestamptz), clock_timestamp() + CAST(:delay AS interval)),
+            :priority)"""
     runs = f"""
 WITH runs AS (
     {run_insert}

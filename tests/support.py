@@ -79,9 +79,9 @@ def outbox_rows(engine: sa.Engine) -> list[Any]:
             conn.execute(
                 sa.text(
                     "SELECT 'tenant' AS kind, id, tenant_id, run_id, queue, envelope, "
-                    "available_at, sent_at, attempts, created_at FROM outbox_messages "
+                    "available_at, sent_at, attempts, created_at, priority FROM outbox_messages "
                     "UNION ALL SELECT 'platform', id, NULL, run_id, queue, envelope, "
-                    "available_at, sent_at, attempts, created_at FROM platform_outbox_messages "
+                    "available_at, sent_at, attempts, created_at, priority FROM platform_outbox_messages "
                     "ORDER BY created_at, id"
                 )
             )

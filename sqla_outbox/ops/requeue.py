@@ -69,20 +69,20 @@ from __future__ import annotations
 import dataclasses
 import getpass
 import hashlib
-import json
 import logging
 import socket
 import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Text, bindparam, text
+from sqlalchemy import bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from sqla_outbox import charsets, envelope
+from sqla_outbox import envelope
 from sqla_outbox.config import OutboxSettings
+from sqla_outbox.lifecycle import operator as operator_changes
 from sqla_outbox.logging import log_extra
 from sqla_outbox.ops.dlq import (
     NO_REASON,
@@ -94,7 +94,7 @@ from sqla_outbox.ops.dlq import (
     Received,
 )
 from sqla_outbox.sqs.client import QueueDirectory, is_missing_queue
-from sqla_outbox.types import TRIGGER_PRIORITIES, UNFINISHED_STATUSES, WAKE_CHANNEL
+from sqla_outbox.types import UNFINISHED_STATUSES, WAKE_CHANNEL
 from sqla_outbox.wakeup import Waker
 
 logger = logging.getLogger(__name__)
@@ -151,51 +151,10 @@ WHERE task = :task AND idempotency_key = :key AND tenant_id IS NOT DISTINCT FROM
 LIMIT 1
 """
 ).bindparams(_RUN_ID)
-_RUN_TO_QUEUED = text(
-    """
-UPDATE task_runs
-SET status = 'queued', finished_at = NULL, dead_lettered_at = NULL, lease_owner = NULL,
-    lease_expires_at = NULL, available_at = clock_timestamp(), updated_at = clock_timestamp()
-WHERE run_id = :run_id AND status = 'failed'
-"""
-).bindparams(_RUN_ID)
-_RESET_OUTBOX = {
-    table: text(
-        f"""
-UPDATE {table} SET sent_at = NULL, parked_at = NULL, attempts = 0, available_at = clock_timestamp(),
-    priority = LEAST(priority, {TRIGGER_PRIORITIES["manual"]})
-WHERE run_id = :run_id RETURNING id
-"""
-    ).bindparams(_RUN_ID)
-    for table in ("outbox_messages", "platform_outbox_messages")
-}
-_RECREATE_OUTBOX = {
-    "outbox_messages": text(
-        f"""
-INSERT INTO outbox_messages (tenant_id, run_id, queue, envelope, available_at, priority)
-VALUES (:tenant_id, :run_id, :queue, CAST(:envelope AS jsonb), clock_timestamp(),
-        {TRIGGER_PRIORITIES["manual"]})
-"""
-    ).bindparams(_RUN_ID),
-    "platform_outbox_messages": text(
-        f"""
-INSERT INTO platform_outbox_messages (run_id, queue, envelope, available_at, priority)
-VALUES (:run_id, :queue, CAST(:envelope AS jsonb), clock_timestamp(), {TRIGGER_PRIORITIES["manual"]})
-"""
-    ).bindparams(_RUN_ID),
-}
-_TRAIL = text(
-    """
-INSERT INTO task_run_trail (run_id, status, attempt, worker_id, detail)
-VALUES (:run_id, 'queued', :attempt, :worker, CAST(:detail AS jsonb))
-"""
-).bindparams(_RUN_ID, bindparam("detail", type_=Text))
 _NOTIFY = text(f"SELECT pg_notify('{WAKE_CHANNEL}', '')")
 HOLDER_OF_KEY = _HOLDER
 """Another unfinished run holding a run's task + tenant + idempotency key (parameters
 ``task``, ``key``, ``tenant_id``, ``run_id``); also used by :mod:`sqla_outbox.ops.resend`."""
-RUN_TO_QUEUED = _RUN_TO_QUEUED
-"""``failed`` → ``queued`` for a run given back to the outbox (parameter ``run_id``)."""
 
 _QUEUES_OF = text("SELECT run_id, queue FROM task_runs WHERE run_id = ANY(:run_ids)").bindparams(
     bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True)))
@@ -407,8 +366,8 @@ def requeue_run(
     table = "outbox_messages" if run.tenant_id is not None else "platform_outbox_messages"
     savepoint = connection.begin_nested()
     try:
-        connection.execute(_RUN_TO_QUEUED, {"run_id": run_id})
-        if connection.execute(_RESET_OUTBOX[table], {"run_id": run_id}).first() is not None:
+        operator_changes.run_to_queued(connection, run_id)
+        if operator_changes.reset_row(connection, table, run_id):
             item.outbox = "reset"
         else:
             rebuild = rebuild or Rebuild()
@@ -419,10 +378,7 @@ def requeue_run(
             if document is None:
                 savepoint.rollback()
                 return _skip(item, NO_ENVELOPE, why_not)
-            connection.execute(
-                _RECREATE_OUTBOX[table],
-                {"run_id": run_id, "tenant_id": run.tenant_id, "queue": run.queue, "envelope": document},
-            )
+            operator_changes.recreate_row(connection, table, run_id, envelope=document)
             item.outbox, item.body_origin = "recreated", rebuild.origin
         detail = {
             "requeued_by": "operator",
@@ -432,14 +388,9 @@ def requeue_run(
             **({"body": item.body_origin} if item.body_origin else {}),
             **trail_detail,
         }
-        connection.execute(
-            _TRAIL,
-            {
-                "run_id": run_id,
-                "attempt": run.attempts,
-                "worker": operator or operator_id(),
-                "detail": json.dumps(charsets.jsonb_safe(detail)),  # DLQ attributes: untrusted text
-            },
+        # DLQ attributes in the detail are untrusted text: record() makes them jsonb-safe
+        operator_changes.record(
+            connection, run_id, attempt=run.attempts, operator=operator or operator_id(), detail=detail
         )
         if settings.wake_notify:  # the PostgreSQL wake: delivered if the transaction commits
             connection.execute(_NOTIFY)

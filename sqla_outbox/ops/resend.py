@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
 import logging
 import uuid
 from typing import Any
@@ -45,6 +44,7 @@ from sqlalchemy import Float, Integer, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection, Engine
 
+from sqla_outbox.lifecycle import operator as operator_changes
 from sqla_outbox.logging import log_extra
 from sqla_outbox.ops import requeue
 from sqla_outbox.ops.requeue import operator_id
@@ -134,34 +134,6 @@ SELECT 1 FROM task_runs AS r JOIN ({_OUTBOX}) AS o ON o.run_id = r.run_id
 WHERE r.run_id = :run_id AND {_UNRECEIVED_WHERE}
 """
 ).bindparams(_RUN_ID, bindparam("older_than", type_=Float))
-_UNPARK_ROW = {
-    table: text(
-        f"""
-UPDATE {table} SET parked_at = NULL, attempts = 0, available_at = clock_timestamp()
-WHERE run_id = :run_id AND parked_at IS NOT NULL AND sent_at IS NULL
-"""
-    ).bindparams(_RUN_ID)
-    for table in ("outbox_messages", "platform_outbox_messages")
-}
-_RESEND_ROW = {
-    table: text(
-        f"""
-UPDATE {table} SET sent_at = NULL, parked_at = NULL, attempts = 0, available_at = clock_timestamp()
-WHERE run_id = :run_id AND sent_at IS NOT NULL
-"""
-    ).bindparams(_RUN_ID)
-    for table in ("outbox_messages", "platform_outbox_messages")
-}
-_RUN_TOUCHED = text(
-    "UPDATE task_runs SET available_at = clock_timestamp(), updated_at = clock_timestamp() "
-    "WHERE run_id = :run_id AND status = 'queued'"
-).bindparams(_RUN_ID)
-_TRAIL = text(
-    """
-INSERT INTO task_run_trail (run_id, status, attempt, worker_id, detail)
-VALUES (:run_id, 'queued', :attempt, :worker, CAST(:detail AS jsonb))
-"""
-).bindparams(_RUN_ID, bindparam("detail", type_=Text))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,14 +417,8 @@ def _holder_conflict(connection: Connection, row: Any, item: ResendItem) -> bool
 
 
 def _trail(connection: Connection, row: Any, detail: dict[str, Any]) -> None:
-    connection.execute(
-        _TRAIL,
-        {
-            "run_id": row.run_id,
-            "attempt": row.attempts,
-            "worker": operator_id(),
-            "detail": json.dumps(detail),
-        },
+    operator_changes.record(
+        connection, row.run_id, attempt=row.attempts, operator=operator_id(), detail=detail
     )
 
 
@@ -468,8 +434,8 @@ def _unpark_one(connection: Connection, run_id: uuid.UUID) -> ResendItem:
         return item
     if _holder_conflict(connection, row, item):
         return item
-    connection.execute(_UNPARK_ROW[row.tbl], {"run_id": run_id})
-    connection.execute(requeue.RUN_TO_QUEUED, {"run_id": run_id})
+    operator_changes.unpark_row(connection, row.tbl, run_id)
+    operator_changes.run_to_queued(connection, run_id)
     _trail(connection, row, {"unparked_by": "operator", "from": "failed"})
     item.action = UNPARKED
     return item
@@ -488,8 +454,8 @@ def _resend_one(connection: Connection, run_id: uuid.UUID, *, older_than: float)
     if connection.execute(_STILL_UNRECEIVED, {"run_id": run_id, "older_than": older_than}).first() is None:
         item.reason, item.detail = "too-recent", f"its message has waited in SQS less than {older_than:g} s"
         return item
-    connection.execute(_RESEND_ROW[row.tbl], {"run_id": run_id})
-    connection.execute(_RUN_TOUCHED, {"run_id": run_id})
+    operator_changes.resend_row(connection, row.tbl, run_id)
+    operator_changes.touch_queued(connection, run_id)
     _trail(
         connection,
         row,

@@ -1,4 +1,8 @@
-"""The relay's SQL: claim due rows with SKIP LOCKED, mark them sent or failed, find what is next.
+"""The relay's SQL: claim due rows with SKIP LOCKED, find what is next.
+
+Marking rows sent, failed or parked is a change of the row after its creation, so its
+statements live in :mod:`sqla_outbox.lifecycle.sending`; the functions here adapt the
+claimed rows to them.
 
 Every statement names its table explicitly (``outbox_messages`` or
 ``platform_outbox_messages``); both have the same shape. Claims and marks run in one
@@ -15,14 +19,14 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, Float, Text, bindparam, text
+from sqlalchemy import BigInteger, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 
-from sqla_outbox import backoff
+from sqla_outbox.lifecycle import sending
 from sqla_outbox.relay.partitions import ALL, PLATFORM_FILTER, TENANT_FILTER, filter_for
 
-TABLES = ("outbox_messages", "platform_outbox_messages")
+TABLES = sending.TABLES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,71 +68,6 @@ FOR UPDATE SKIP LOCKED
 
 
 _CLAIM = {table: _claim_sql(table) for table in TABLES}
-_MARK_SENT = {
-    table: text(f"UPDATE {table} SET sent_at = clock_timestamp() WHERE id = ANY(:ids)").bindparams(
-        bindparam("ids", type_=ARRAY(BigInteger))
-    )
-    for table in TABLES
-}
-_MAX_ATTEMPTS_COUNT = 2**31 - 2
-"""``attempts`` is an ``integer``: it stops counting here rather than overflow."""
-
-_MARK_FAILED = {
-    table: text(
-        f"""
-UPDATE {table} AS o
-SET attempts = LEAST(o.attempts, {_MAX_ATTEMPTS_COUNT}) + 1,
-    available_at = clock_timestamp() + make_interval(secs => f.delay),
-    last_error = f.error
-FROM unnest(CAST(:ids AS bigint[]), CAST(:delays AS float8[]), CAST(:errors AS text[]))
-     AS f(id, delay, error)
-WHERE o.id = f.id AND o.sent_at IS NULL
-"""
-    ).bindparams(
-        bindparam("ids", type_=ARRAY(BigInteger)),
-        bindparam("delays", type_=ARRAY(Float)),
-        bindparam("errors", type_=ARRAY(Text)),
-    )
-    for table in TABLES
-}
-_PARK = {
-    table: text(
-        f"""
-WITH input AS (
-    SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:codes AS text[]), CAST(:messages AS text[]))
-        AS f(id, code, message)
-),
-parked AS (
-    UPDATE {table} AS o
-    SET parked_at = clock_timestamp(), attempts = LEAST(o.attempts, {_MAX_ATTEMPTS_COUNT}) + 1,
-        last_error = i.code || ': ' || i.message
-    FROM input AS i
-    WHERE o.id = i.id AND o.sent_at IS NULL AND o.parked_at IS NULL
-    RETURNING o.run_id, o.attempts, i.code, i.message
-),
-failed AS (
-    UPDATE task_runs AS r
-    SET status = 'failed', finished_at = clock_timestamp(), updated_at = clock_timestamp(),
-        last_error_type = p.code, last_error = p.message, lease_owner = NULL, lease_expires_at = NULL
-    FROM parked AS p
-    WHERE r.run_id = p.run_id AND r.status = 'queued'
-    RETURNING r.run_id, r.attempts, p.code, p.message, p.attempts AS send_attempts
-),
-trail AS (
-    INSERT INTO task_run_trail (run_id, status, attempt, worker_id, error_type, error_message, detail)
-    SELECT run_id, 'failed', attempts, :relay, code, message,
-           jsonb_build_object('reason', 'send-refused', 'parked', true, 'send_attempts', send_attempts)
-    FROM failed
-)
-SELECT run_id FROM parked
-"""
-    ).bindparams(
-        bindparam("ids", type_=ARRAY(BigInteger)),
-        bindparam("codes", type_=ARRAY(Text)),
-        bindparam("messages", type_=ARRAY(Text)),
-    )
-    for table in TABLES
-}
 _NEXT_DUE = text(
     f"""
 SELECT EXTRACT(EPOCH FROM (min(available_at) - clock_timestamp()))::float8 FROM (
@@ -193,9 +132,8 @@ def claim(
 
 
 def mark_sent(connection: Connection, table: str, ids: Sequence[int]) -> None:
-    """Set ``sent_at`` on rows SQS accepted (same transaction as the claim)."""
-    if ids:
-        connection.execute(_MARK_SENT[table], {"ids": list(ids)})
+    """Set ``sent_at`` on rows SQS accepted (:func:`sqla_outbox.lifecycle.sending.mark_sent`)."""
+    sending.mark_sent(connection, table, ids)
 
 
 def mark_failed(
@@ -206,64 +144,25 @@ def mark_failed(
     base_seconds: float,
     max_seconds: float,
 ) -> None:
-    """Count a failed send, record its error and push ``available_at`` forward.
-
-    The delay is :func:`sqla_outbox.backoff.exponential_seconds` of the row's
-    ``attempts`` before this failure (1 s, 2 s, 4 s, ... capped at 300 s by default),
-    computed here with the exponent capped, so no failure streak can overflow it; one bad
-    row never holds up the rows behind it.
-
-    Args:
-        connection: The relay's connection, in the pass's transaction.
-        table: One of :data:`TABLES`.
-        failures: ``(row, error)`` with ``error`` the text stored in ``last_error``
-            (``<code>: <message>``, already safe for PostgreSQL).
-        base_seconds / max_seconds: ``relay_backoff_base_seconds`` / ``_max_seconds``.
-    """
-    if failures:
-        connection.execute(
-            _MARK_FAILED[table],
-            {
-                "ids": [row.id for row, _ in failures],
-                "delays": [
-                    backoff.exponential_seconds(row.attempts, base=base_seconds, cap=max_seconds)
-                    for row, _ in failures
-                ],
-                "errors": [error for _, error in failures],
-            },
-        )
+    """Count a failed send of each ``(row, error)``, record its error and push the row's
+    ``available_at`` forward (:func:`sqla_outbox.lifecycle.sending.mark_send_failed`)."""
+    sending.mark_send_failed(
+        connection,
+        table,
+        [(row.id, row.attempts, error) for row, error in failures],
+        base_seconds=base_seconds,
+        max_seconds=max_seconds,
+    )
 
 
 def park(
     connection: Connection, table: str, refusals: Sequence[tuple[ClaimedRow, str, str]], *, relay: str
 ) -> set[uuid.UUID]:
-    """Park rows SQS refused for good; fail their runs with the SQS error.
-
-    A parked row keeps ``sent_at`` NULL and gets ``parked_at``: the relay never claims it
-    again, and ``python -m sqla_outbox outbox unpark`` puts it back. Its run, if still
-    ``queued``, becomes ``failed`` with ``last_error_type`` the SQS error code and
-    ``last_error`` its message, and a trail row (detail ``{"reason": "send-refused",
-    "parked": true, "send_attempts": n}``). All in the caller's transaction.
-
-    Args:
-        refusals: ``(row, code, message)``; code and message already safe for PostgreSQL.
-        relay: Recorded as the trail row's ``worker_id``.
-
-    Returns:
-        The run ids of the rows parked.
-    """
-    if not refusals:
-        return set()
-    rows = connection.execute(
-        _PARK[table],
-        {
-            "ids": [row.id for row, _, _ in refusals],
-            "codes": [code for _, code, _ in refusals],
-            "messages": [message for _, _, message in refusals],
-            "relay": relay,
-        },
+    """Park rows SQS refused for good and fail their runs
+    (:func:`sqla_outbox.lifecycle.sending.park`); returns the run ids parked."""
+    return sending.park(
+        connection, table, [(row.id, code, message) for row, code, message in refusals], relay=relay
     )
-    return {row[0] for row in rows}
 
 
 def seconds_until_next_due(connection: Connection, partitions: Mapping[str, Any] = ALL) -> float | None:

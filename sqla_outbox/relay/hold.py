@@ -23,11 +23,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, Float, Text, bindparam, text
+from sqlalchemy import Float, Text, bindparam
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 
 from sqla_outbox import metrics, presence
+from sqla_outbox.lifecycle import sending
 from sqla_outbox.logging import log_extra
 from sqla_outbox.relay.claim import TABLES, ClaimedRow
 from sqla_outbox.relay.partitions import ALL, filter_for
@@ -41,32 +42,20 @@ HOLD_MIN_SECONDS = 5.0
 HOLD_MAX_SECONDS = 60.0
 
 _HOLD = {
-    table: text(
-        f"""
-UPDATE {table}
-SET available_at = clock_timestamp() + make_interval(secs => LEAST(:max_seconds,
-        GREATEST(:min_seconds, EXTRACT(EPOCH FROM clock_timestamp() - created_at) / 4)))
-WHERE id = ANY(:ids)
-"""
-    ).bindparams(
-        bindparam("ids", type_=ARRAY(BigInteger)),
-        bindparam("min_seconds", type_=Float),
-        bindparam("max_seconds", type_=Float),
-    )
+    table: sending.hold_statement(
+        table,
+        until="clock_timestamp() + make_interval(secs => LEAST(:max_seconds, "
+        "GREATEST(:min_seconds, EXTRACT(EPOCH FROM clock_timestamp() - o.created_at) / 4)))",
+    ).bindparams(bindparam("min_seconds", type_=Float), bindparam("max_seconds", type_=Float))
     for table in TABLES
 }
 
 _RELEASE = {
-    table: text(
-        f"""
-UPDATE {table} AS o SET available_at = clock_timestamp()
-FROM task_runs AS r
-WHERE r.run_id = o.run_id AND o.sent_at IS NULL AND o.available_at > clock_timestamp()
-  AND r.available_at <= clock_timestamp()
-  AND (o.envelope->>'task', o.queue) IN (
-      SELECT * FROM unnest(CAST(:tasks AS text[]), CAST(:queues AS text[])))
-  AND {filter_for(table, "o")}
-"""
+    table: sending.release_statement(
+        table,
+        which="(o.envelope->>'task', o.queue) IN ("
+        "SELECT * FROM unnest(CAST(:tasks AS text[]), CAST(:queues AS text[]))) "
+        f"AND {filter_for(table, 'o')}",
     ).bindparams(bindparam("tasks", type_=ARRAY(Text)), bindparam("queues", type_=ARRAY(Text)))
     for table in TABLES
 }

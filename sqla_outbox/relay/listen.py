@@ -43,6 +43,7 @@ from psycopg import sql
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from sqla_outbox import backoff
 from sqla_outbox.config import OutboxSettings, redact_url
 from sqla_outbox.logging import log_extra
 from sqla_outbox.types import WAKE_CHANNEL
@@ -109,7 +110,7 @@ class NotifyListener:
 
     # --- the thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        backoff = 0.1
+        delay = backoff.Doubling(0.1, 5.0)
         in_outage = False
         while not self._stop.is_set():
             try:
@@ -127,7 +128,7 @@ class NotifyListener:
                     connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(WAKE_CHANNEL)))
                     probe = _send_probe(self.url)
                     self.listening = True
-                    backoff = 0.1
+                    delay.reset()
                     if in_outage:
                         in_outage = False
                         logger.info(
@@ -149,8 +150,8 @@ class NotifyListener:
                             database_url=redact_url(self.url),
                         ),
                     )
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                self._stop.wait(delay.current)
+                delay.grow()
         self.listening = False
 
     def _listen(self, connection: psycopg.Connection[tuple[object, ...]], probe: str) -> None:

@@ -17,11 +17,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, Float, bindparam, text
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import Float, bindparam
 from sqlalchemy.engine import Connection
 
 from sqla_outbox import flow, metrics
+from sqla_outbox.lifecycle import sending
 from sqla_outbox.logging import log_extra
 from sqla_outbox.relay.claim import TABLES, ClaimedRow
 
@@ -30,16 +30,12 @@ logger = logging.getLogger("sqla_outbox.relay")
 
 def _hold_sql(table: str) -> Any:
     tenant = "OR (p.scope = 'tenant' AND p.target = o.tenant_id::text)" if table == "outbox_messages" else ""
-    return text(
-        f"""
-UPDATE {table} AS o SET available_at = clock_timestamp() + make_interval(secs => :seconds)
-WHERE o.id = ANY(:ids) AND EXISTS (
-    SELECT 1 FROM flow_pauses AS p
-    WHERE (p.scope = 'queue' AND p.target = o.queue) OR (p.scope = 'task' AND p.target = o.envelope->>'task')
-          {tenant})
-RETURNING o.id
-"""
-    ).bindparams(bindparam("ids", type_=ARRAY(BigInteger)), bindparam("seconds", type_=Float))
+    return sending.hold_statement(
+        table,
+        until="clock_timestamp() + make_interval(secs => :seconds)",
+        unless="EXISTS (SELECT 1 FROM flow_pauses AS p WHERE (p.scope = 'queue' AND p.target = o.queue) "
+        f"OR (p.scope = 'task' AND p.target = o.envelope->>'task') {tenant})",
+    ).bindparams(bindparam("seconds", type_=Float))
 
 
 _HOLD = {table: _hold_sql(table) for table in TABLES}

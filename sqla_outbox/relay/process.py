@@ -20,7 +20,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from sqla_outbox import engines, metrics, migrations
+from sqla_outbox import backoff, engines, metrics, migrations
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import error_fields, log_extra
@@ -123,7 +123,8 @@ class Relay(passes.PassRunner):
         self._thread: threading.Thread | None = None
         self.scheduler = _make_scheduler(settings, catalog)
         self._next_slot_at: float | None = None
-        self._backoff = 0.5
+        self._backoff = backoff.Doubling(0.5, 10.0)
+        """Wait between passes that failed in the database or stalled on SQS."""
         self._shown_throttled: set[int] = set()
         self._rebalance_at = 0.0
         self._valkey_woken = False
@@ -157,7 +158,7 @@ class Relay(passes.PassRunner):
     # --- main loop -----------------------------------------------------------------------
     def run(self) -> None:
         """Compete for leadership and relay until :meth:`stop` is called."""
-        self._backoff = 0.5
+        self._backoff.reset()
         logger.info(
             "relay started",
             extra=log_extra(
@@ -200,11 +201,11 @@ class Relay(passes.PassRunner):
                     logger.warning(
                         message,
                         extra=log_extra(
-                            action="relay.db_error", **error_fields(exc), retry_in_s=self._backoff
+                            action="relay.db_error", **error_fields(exc), retry_in_s=self._backoff.current
                         ),
                     )
-                    self._stop.wait(self._backoff)
-                    self._backoff = min(self._backoff * 2, 10.0)
+                    self._stop.wait(self._backoff.current)
+                    self._backoff.grow()
         finally:
             self._set_leader(False)
             if self._sender is not None:
@@ -270,10 +271,10 @@ class Relay(passes.PassRunner):
                 if woken and not result.claimed:  # a wake for nothing: hold the next one
                     self._wakes_held_until = time.monotonic() + WAKE_HOLD_SECONDS
                 if result.stalled:
-                    self._stop.wait(self._backoff)
-                    self._backoff = min(self._backoff * 2, 10.0)
+                    self._stop.wait(self._backoff.current)
+                    self._backoff.grow()
                 else:
-                    self._backoff = 0.5
+                    self._backoff.reset()
                 if self.scheduler is not None and self.ownership.runs_singletons and self._slot_due():
                     if self.scheduler.tick(connection):
                         self._again = True

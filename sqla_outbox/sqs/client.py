@@ -15,14 +15,14 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from sqla_outbox import errors
+from sqla_outbox import errors, types
 from sqla_outbox.config import OutboxSettings
 
 SQS_MAX_BATCH_ENTRIES = 10
 """SendMessageBatch / DeleteMessageBatch / ChangeMessageVisibilityBatch entry limit (SQS quota)."""
 
-SQS_MAX_VISIBILITY_SECONDS = 43_200
-"""Largest visibility timeout SQS accepts: 12 hours (SQS quota)."""
+SQS_MAX_VISIBILITY_SECONDS = types.SQS_MAX_VISIBILITY_SECONDS
+"""Largest visibility timeout SQS accepts: 12 hours (SQS quota; :mod:`sqla_outbox.types`)."""
 
 
 def make_client(

@@ -24,7 +24,7 @@ transaction), an ``Engine`` or a ``sessionmaker`` (committed rows only). For an
 Running (:func:`run_pending`) does, for each due pending outbox row, what the relay and
 the worker do together as far as the database is concerned: decode the envelope
 (:func:`sqla_outbox.envelope.decode`), take the run's lease
-(:func:`sqla_outbox.worker.runs.take_lease`), call the handler registered with ``@task``
+(:func:`sqla_outbox.lifecycle.attempts.take_lease`), call the handler registered with ``@task``
 with a real :class:`~sqla_outbox.worker.context.TaskContext` whose session commits
 together with ``running → succeeded``, record failures (``retrying`` / ``failed``, with
 trail rows), and mark the outbox row sent. Follow-up work that handlers dispatch runs in

@@ -13,8 +13,7 @@ import uuid
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
-from sqlalchemy import bindparam, text
-from sqlalchemy.dialects.postgresql import UUID
+from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -22,8 +21,10 @@ from sqla_outbox import envelope, errors, tracing
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.events import install, installation_for, uninstall
+from sqla_outbox.lifecycle import attempts, sending, verdict
+from sqla_outbox.lifecycle.attempts import Failure
 from sqla_outbox.types import VISIBILITY_TIMEOUT_SECONDS, JSONValue
-from sqla_outbox.worker import execute, runs
+from sqla_outbox.worker import execute
 from sqla_outbox.worker.context import bounded_detail
 from sqla_outbox.worker.registry import Registry
 from sqla_outbox.worker.registry import registry as default_registry
@@ -52,10 +53,12 @@ class RunOutcome:
         failures: The failure of each failed attempt, oldest first (type, message,
             traceback excerpt), as the trail stores them.
         reason: Why a run ended ``failed``, as the trail records it: ``permanent-error``,
-            ``retries-exhausted``, ``receive-limit`` or ``unknown-task``; else None.
-        skipped: Why the run was not executed, else None: ``already-succeeded``,
-            ``already-failed``, ``leased`` (another worker holds it), ``unknown-run``,
-            ``envelope-mismatch`` or ``malformed-envelope``.
+            ``retries-exhausted`` or ``receive-limit``; else None.
+        skipped: Why the run was not executed, else None: ``no-handler`` (no handler is
+            registered for its task: as a worker does, the run is left ``queued`` with its
+            outbox row pending, and :meth:`RunReport.assert_all_succeeded` reports it),
+            ``already-succeeded``, ``already-failed``, ``leased`` (another worker holds it),
+            ``unknown-run``, ``envelope-mismatch`` or ``malformed-envelope``.
     """
 
     run_id: uuid.UUID
@@ -67,12 +70,12 @@ class RunOutcome:
     round: int
     status: str
     attempts: int = 0
-    failures: tuple[runs.Failure, ...] = ()
+    failures: tuple[Failure, ...] = ()
     reason: str | None = None
     skipped: str | None = None
 
     @property
-    def error(self) -> runs.Failure | None:
+    def error(self) -> Failure | None:
         """The last failure when the run did not succeed, else None."""
         if self.status == "succeeded" or not self.failures:
             return None
@@ -143,13 +146,15 @@ class RunReport:
         return {o.task: o.status for o in self.runs}
 
     def assert_all_succeeded(self) -> None:
-        """Raise unless every executed run succeeded.
+        """Raise unless every executed run succeeded and every run found a handler.
 
         Raises:
             AssertionError: Lists each run that did not succeed, with its last error and
                 traceback excerpt.
         """
-        bad = [o for o in self.runs if o.status != "succeeded" and not o.skipped]
+        bad = [
+            o for o in self.runs if (o.status != "succeeded" and not o.skipped) or o.skipped == "no-handler"
+        ]
         if not bad:
             return
         lines = [f"{len(bad)} of {len(self.runs)} run(s) did not succeed:"]
@@ -204,20 +209,14 @@ WHERE :include_delayed OR o.available_at <= clock_timestamp()
 ORDER BY o.available_at, o.created_at, o.tbl, o.id
 """
 )
-_MARK_SENT = {
-    table: text(
-        f"UPDATE {table} SET sent_at = clock_timestamp() WHERE run_id = :run_id AND sent_at IS NULL"
-    ).bindparams(bindparam("run_id", type_=UUID(as_uuid=True)))
-    for table in ("outbox_messages", "platform_outbox_messages")
-}
 _SKIPPED = {
-    runs.ClaimStatus.NOT_FOUND: "unknown-run",
-    runs.ClaimStatus.MISMATCH: "envelope-mismatch",
-    runs.ClaimStatus.SUCCEEDED: "already-succeeded",
-    runs.ClaimStatus.FAILED: "already-failed",
-    runs.ClaimStatus.CANCELLED: "cancelled",
-    runs.ClaimStatus.LEASED: "leased",
-    runs.ClaimStatus.NOT_DUE: "not-due",
+    attempts.ClaimStatus.NOT_FOUND: "unknown-run",
+    attempts.ClaimStatus.MISMATCH: "envelope-mismatch",
+    attempts.ClaimStatus.SUCCEEDED: "already-succeeded",
+    attempts.ClaimStatus.FAILED: "already-failed",
+    attempts.ClaimStatus.CANCELLED: "cancelled",
+    attempts.ClaimStatus.LEASED: "leased",
+    attempts.ClaimStatus.NOT_DUE: "not-due",
 }
 
 
@@ -243,14 +242,17 @@ def run_pending(
     :meth:`RunReport.assert_all_succeeded` or the outcomes. Rounds continue while due
     rows remain (follow-ups dispatched by handlers), up to ``max_rounds``.
 
-    Failures are classified as in the worker (``sqla_outbox.worker.handle``):
-    :class:`~sqla_outbox.errors.PermanentError` or a type in ``@task(permanent=...)`` →
-    ``failed`` (reason ``permanent-error``); another exception or
+    Failures are classified by the worker's own verdict
+    (:func:`sqla_outbox.lifecycle.verdict.decide`, which ``sqla_outbox.worker.handle`` calls
+    too): :class:`~sqla_outbox.errors.PermanentError` or a type in ``@task(permanent=...)``
+    → ``failed`` (reason ``permanent-error``); another exception or
     :class:`~sqla_outbox.errors.Retry` → transient: with ``retries`` the run is attempted
-    again at once until it succeeds or its receive limit (``@task(retry=RetryPolicy(
-    max_receives=...))``, else ``settings.worker_max_receives``) makes it ``failed``
-    (``retries-exhausted``); without ``retries`` it stays ``retrying`` and its outbox row
-    stays pending, so the next call runs it again (as SQS would redeliver it).
+    again at once until it succeeds or its tries (``@task(retry=RetryPolicy(
+    max_receives=...))``, else ``settings.worker_max_receives``) are spent and it ends
+    ``failed`` (``retries-exhausted``); without ``retries`` it stays ``retrying`` and its
+    outbox row stays pending, so the next call runs it again (as SQS would redeliver it).
+    A retry's trail row records the delay the worker would wait. A run whose task has no
+    handler here is left ``queued`` (``skipped="no-handler"``), as the worker defers it.
 
     Args:
         source: A ``sessionmaker`` bound to an ``Engine`` (handler sessions come from it;
@@ -375,7 +377,7 @@ class _InlineRunner:
                 payload=None,
                 round=round_number,
                 status=self._status(row.run_id),
-                failures=(runs.Failure.from_exception(exc),),
+                failures=(attempts.Failure.from_exception(exc),),
                 skipped="malformed-envelope",
             )
             return outcome, False
@@ -389,12 +391,15 @@ class _InlineRunner:
             round=round_number,
             status="queued",
         )
+        if env.task not in self.registry.tasks:  # the worker defers it, unleased, to a worker that has it
+            status = self._status(env.run_id)
+            return dataclasses.replace(base, status=status, skipped="no-handler"), True
         receive_count = int(row.attempts) + 1
-        failures: list[runs.Failure] = []
-        attempts = 0
+        failures: list[attempts.Failure] = []
+        tries = 0
         while True:
             with self.engine.begin() as connection:
-                claim = runs.take_lease(
+                claim = attempts.take_lease(
                     connection,
                     run_id=env.run_id,
                     task=env.task,
@@ -406,19 +411,19 @@ class _InlineRunner:
                     receive_count=receive_count,
                     honour_due_time=False,  # rows were picked by due time, or include_delayed
                 )
-            if claim.status is not runs.ClaimStatus.CLAIMED:
-                leased = claim.status is runs.ClaimStatus.LEASED
+            if claim.status is not attempts.ClaimStatus.CLAIMED:
+                leased = claim.status is attempts.ClaimStatus.LEASED
                 if not leased:
                     self._mark_sent(row.tbl, env.run_id)
                 status = claim.previous_status or "missing"
-                if attempts:  # lost the run between our own attempts (not expected inline)
+                if tries:  # lost the run between our own attempts (not expected inline)
                     outcome = dataclasses.replace(
-                        base, status=status, attempts=attempts, failures=tuple(failures)
+                        base, status=status, attempts=tries, failures=tuple(failures)
                     )
                     return outcome, leased
                 return dataclasses.replace(base, status=status, skipped=_SKIPPED[claim.status]), leased
-            attempts += 1
-            attempt = runs.Attempt(env.run_id, claim.attempt, receive_count, WORKER_ID)
+            tries += 1
+            attempt = attempts.Attempt(env.run_id, claim.attempt, receive_count, WORKER_ID)
             status, failure, reason = self._attempt(env, attempt)
             if failure is not None:
                 failures.append(failure)
@@ -429,26 +434,25 @@ class _InlineRunner:
             if not still_pending:
                 self._mark_sent(row.tbl, env.run_id)
             outcome = dataclasses.replace(
-                base, status=status, attempts=attempts, failures=tuple(failures), reason=reason
+                base, status=status, attempts=tries, failures=tuple(failures), reason=reason
             )
             return outcome, still_pending
 
     def _attempt(
-        self, env: envelope.Envelope, attempt: runs.Attempt
-    ) -> tuple[str, runs.Failure | None, str | None]:
-        """Run one attempt the way the worker does; return (status, failure, failed reason)."""
-        try:
-            definition = self.registry.get(env.task)
-        except errors.HandlerNotFound as missing:
-            return self._fail(attempt, missing, reason="unknown-task", trace=None)
-        limit = definition.effective_max_receives(self.settings.worker_max_receives)
-        if attempt.receive_count > limit:
-            exhausted = errors.PermanentError(
-                f"delivered {attempt.receive_count} times without a verdict (limit {limit})"
-            )
-            return self._fail(attempt, exhausted, reason="receive-limit", trace=None)
+        self, env: envelope.Envelope, attempt: attempts.Attempt
+    ) -> tuple[str, attempts.Failure | None, str | None]:
+        """Run one attempt the way the worker does; return (status, failure, failed reason).
+
+        The verdict is :func:`sqla_outbox.lifecycle.verdict.decide`'s, the worker's own."""
+        definition = self.registry.get(env.task)
+        rules = definition.retry_rules(self.settings)
+        refused = verdict.before_attempt(attempt.receive_count, rules)
+        if refused is not None:
+            return self._record(attempt, refused, trace=None, detail=None)
         ctx = execute.make_context(env, attempt, definition, queue=env.queue, settings=self.settings)
         attributes = execute.span_attributes(env, attempt, queue=env.queue)
+        error: BaseException | None = None
+        trace: str | None = None
         try:
             with tracing.handler_span(f"{env.task} process", env.trace, attributes):
                 if definition.is_async:
@@ -460,73 +464,58 @@ class _InlineRunner:
                     execute.run_sync(self.session_factory, definition, env.payload, ctx, attempt)
         except execute.LeaseLost:
             with self.engine.begin() as connection:  # a committed Cancel asked the run to stop
-                if runs.mark_cancelled(connection, attempt):
+                if attempts.mark_cancelled(connection, attempt):
                     return "cancelled", None, None
             return self._status(env.run_id), None, None
         except errors.Retry as exc:
-            return self._transient(
-                attempt, exc, limit, trace=None, delay=exc.delay_seconds, detail=ctx.trail_detail
-            )
+            error = exc
         except Exception as exc:
-            trace = "".join(tb.format_exception(exc))
-            if definition.is_permanent(exc):
-                return self._fail(
-                    attempt, exc, reason="permanent-error", trace=trace, detail=ctx.trail_detail
-                )
-            at_least = exc.retry_after_seconds if isinstance(exc, errors.WebhookFailed) else None
-            return self._transient(attempt, exc, limit, trace=trace, delay=at_least, detail=ctx.trail_detail)
-        return "succeeded", None, None
+            error, trace = exc, "".join(tb.format_exception(exc))
+        decided = verdict.decide(error, rules, receive_count=attempt.receive_count, attempt=attempt.attempt)
+        if decided.kind is verdict.Kind.SUCCEED:
+            return "succeeded", None, None
+        return self._record(attempt, decided, trace=trace, detail=ctx.trail_detail)
 
     # --- verdicts --------------------------------------------------------------------------
-    def _transient(
+    def _record(
         self,
-        attempt: runs.Attempt,
-        exc: BaseException,
-        limit: int,
+        attempt: attempts.Attempt,
+        decided: verdict.Verdict,
         *,
         trace: str | None,
-        delay: float | None = None,
-        detail: dict[str, Any] | None = None,
-    ) -> tuple[str, runs.Failure | None, str | None]:
-        if attempt.receive_count >= limit:
-            return self._fail(attempt, exc, reason="retries-exhausted", trace=trace, detail=detail)
-        failure = runs.Failure.from_exception(exc, trace)
-        # inline, the next attempt follows at once: the trail records the delay used (0 s),
-        # or the delay a Retry / a webhook receiver's Retry-After asked for
-        backoff = 0.0 if self.retries or delay is None else delay
+        detail: dict[str, Any] | None,
+    ) -> tuple[str, attempts.Failure | None, str | None]:
+        """Apply a RETRY or FAIL verdict with the worker's statements. A retry's trail row
+        records the delay the worker would wait (inline, the next attempt follows at once)."""
+        assert decided.error is not None
+        failure = attempts.Failure.from_exception(decided.error, trace)
         with self.engine.begin() as connection:
-            moved = runs.mark_retrying(
-                connection, attempt, failure, backoff_seconds=backoff, detail=bounded_detail(detail or {})
-            )
+            if decided.kind is verdict.Kind.FAIL:
+                assert decided.reason is not None
+                moved = attempts.mark_failed(
+                    connection, attempt, failure, reason=decided.reason, detail=bounded_detail(detail or {})
+                )
+            else:
+                moved = attempts.mark_retrying(
+                    connection,
+                    attempt,
+                    failure,
+                    backoff_seconds=decided.delay_seconds,
+                    detail=bounded_detail(detail or {}),
+                )
         if not moved:
             return self._status(attempt.run_id), failure, None
+        if decided.kind is verdict.Kind.FAIL:
+            return "failed", failure, decided.reason
         return "retrying", failure, None
-
-    def _fail(
-        self,
-        attempt: runs.Attempt,
-        exc: BaseException,
-        *,
-        reason: str,
-        trace: str | None,
-        detail: dict[str, Any] | None = None,
-    ) -> tuple[str, runs.Failure | None, str | None]:
-        failure = runs.Failure.from_exception(exc, trace)
-        with self.engine.begin() as connection:
-            moved = runs.mark_failed(
-                connection, attempt, failure, reason=reason, detail=bounded_detail(detail or {})
-            )
-        if not moved:
-            return self._status(attempt.run_id), failure, None
-        return "failed", failure, reason
 
     def _status(self, run_id: uuid.UUID) -> str:
         with self.engine.connect() as connection:
-            return runs.current_status(connection, run_id) or "missing"
+            return attempts.current_status(connection, run_id) or "missing"
 
     def _mark_sent(self, table: str, run_id: uuid.UUID) -> None:
         with self.engine.begin() as connection:
-            connection.execute(_MARK_SENT[table], {"run_id": run_id})
+            sending.mark_sent_by_run(connection, table, run_id)
 
     # --- resources -------------------------------------------------------------------------
     def _bridge(self) -> _AsyncBridge:

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from sqla_outbox import envelope, errors, metrics, presence
+from sqla_outbox import backoff, envelope, errors, metrics, presence
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import error_fields, log_extra, safe_traceback
@@ -306,7 +306,7 @@ class Worker:
             ConfigurationError: A queue or its DLQ does not exist (run provisioning).
         """
         assert self._stop_event is not None
-        backoff, warned = 0.5, False
+        delay, warned = backoff.Doubling(0.5, 10.0), False
         while True:
             try:
                 await self.io(self._resolve_queues)
@@ -321,10 +321,10 @@ class Worker:
                         extra=log_extra(action="worker.sqs_unreachable", error_code=error_code(exc)),
                     )
             try:
-                await asyncio.wait_for(self._stop_event.wait(), backoff)
+                await asyncio.wait_for(self._stop_event.wait(), delay.current)
                 return False
             except TimeoutError:
-                backoff = min(backoff * 2, 10.0)
+                delay.grow()
 
     def _resolve_queues(self) -> None:
         for queue in self.queues:
@@ -392,7 +392,7 @@ class Worker:
         for definition in self.registry.tasks.values():
             if definition.queue != queue:
                 continue
-            receives = definition.effective_max_receives(self.settings.worker_max_receives)
+            receives = definition.retry_rules(self.settings).max_receives
             if receives >= limit:
                 raise errors.ConfigurationError(
                     f"queue {self.settings.queue_url_name(queue)!r} has redrive maxReceiveCount "
@@ -441,7 +441,7 @@ class Worker:
     async def _receiver(self, queue: str) -> None:
         assert self._stop_event is not None
         want = 1
-        backoff = 0.5
+        delay = backoff.Doubling(0.5, 10.0)
         while not self.stopping:
             acquire = asyncio.ensure_future(self.slots.acquire(queue, want))
             stop = asyncio.ensure_future(self._stop_event.wait())
@@ -456,15 +456,15 @@ class Worker:
                 return
             try:
                 messages = await self.io(self._receive, queue, granted)
-                backoff = 0.5
+                delay.reset()
             except Exception as exc:
                 self.slots.release(granted)
                 logger.warning(
                     "receive failed",
                     extra=log_extra(action="worker.receive_failed", queue=queue, error_code=error_code(exc)),
                 )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                await asyncio.sleep(delay.current)
+                delay.grow()
                 continue
             self.slots.release(granted - len(messages))
             want = RECEIVE_MAX_MESSAGES if messages else 1

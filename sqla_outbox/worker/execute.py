@@ -2,7 +2,7 @@
 
 No SQS here (and no boto3 import): given a leased attempt, build the handler's context,
 call the handler in its own session, and commit the session together with
-``running → succeeded`` (:func:`sqla_outbox.worker.runs.mark_succeeded`, guarded by the
+``running → succeeded`` (:func:`sqla_outbox.lifecycle.attempts.mark_succeeded`, guarded by the
 attempt's lease). The callers decide what happens around it: the worker adds timeouts,
 heartbeats and SQS verdicts (``handle.py``); ``sqla_outbox.testing`` runs attempts inline.
 """
@@ -21,8 +21,8 @@ from sqlalchemy.orm import Session
 
 from sqla_outbox import envelope, errors, results
 from sqla_outbox.config import OutboxSettings
+from sqla_outbox.lifecycle import attempts
 from sqla_outbox.logging import log_extra
-from sqla_outbox.worker import runs
 from sqla_outbox.worker.context import TaskContext, bounded_detail
 from sqla_outbox.worker.registry import TaskDefinition
 
@@ -36,7 +36,7 @@ class LeaseLost(Exception):
 
 def make_context(
     env: envelope.Envelope,
-    attempt: runs.Attempt,
+    attempt: attempts.Attempt,
     definition: TaskDefinition,
     *,
     queue: str,
@@ -65,7 +65,7 @@ def make_context(
     )
 
 
-def span_attributes(env: envelope.Envelope, attempt: runs.Attempt, *, queue: str) -> dict[str, Any]:
+def span_attributes(env: envelope.Envelope, attempt: attempts.Attempt, *, queue: str) -> dict[str, Any]:
     """OpenTelemetry attributes of the handler span."""
     return {
         "sqla_outbox.run_id": str(env.run_id),
@@ -121,7 +121,7 @@ def run_sync(
     definition: TaskDefinition,
     payload: Any,
     ctx: TaskContext,
-    attempt: runs.Attempt,
+    attempt: attempts.Attempt,
 ) -> None:
     """Run a sync handler in a new session; commit it with ``succeeded`` and its result.
 
@@ -136,7 +136,7 @@ def run_sync(
             value = call(definition, payload, ctx)
         result = encoded_result(definition, value, ctx)
         detail = bounded_detail(ctx.trail_detail)
-        if ctx.cancelled or not runs.mark_succeeded(
+        if ctx.cancelled or not attempts.mark_succeeded(
             session.connection(), attempt, detail=detail, result=result
         ):
             session.rollback()
@@ -149,7 +149,7 @@ async def run_async(
     definition: TaskDefinition,
     payload: Any,
     ctx: TaskContext,
-    attempt: runs.Attempt,
+    attempt: attempts.Attempt,
 ) -> None:
     """Run an async handler in a new ``AsyncSession``; commit it with ``succeeded`` and its result.
 
@@ -165,7 +165,7 @@ async def run_async(
         result = encoded_result(definition, value, ctx)
         detail = bounded_detail(ctx.trail_detail)
         won = await session.run_sync(
-            lambda s: runs.mark_succeeded(s.connection(), attempt, detail=detail, result=result)
+            lambda s: attempts.mark_succeeded(s.connection(), attempt, detail=detail, result=result)
         )
         if not won:
             await session.rollback()

@@ -51,8 +51,8 @@ import uuid
 from typing import Any
 
 from sqla_outbox import metrics
-from sqla_outbox.backoff import equal_jitter, exponential_seconds
 from sqla_outbox.config import OutboxSettings
+from sqla_outbox.lifecycle import retry
 from sqla_outbox.logging import log_extra
 from sqla_outbox.wakeup import ScriptRunner, ValkeyUnavailable
 from sqla_outbox.worker.limits import Breaker, TaskLimits
@@ -698,12 +698,12 @@ def throttle_delay(settings: OutboxSettings, deferrals: int) -> float:
     sent again: ``limits_throttle_delay_seconds`` doubling per earlier such deferral, at
     most ``limits_throttle_delay_max_seconds``, drawn between half and all of that (equal
     jitter, so waiting runs do not come back together)."""
-    nominal = exponential_seconds(
+    return retry.deferral_delay(
         deferrals,
-        base=settings.limits_throttle_delay_seconds,
-        cap=settings.limits_throttle_delay_max_seconds,
+        first_seconds=settings.limits_throttle_delay_seconds,
+        max_seconds=settings.limits_throttle_delay_max_seconds,
+        jitter=True,
     )
-    return equal_jitter(nominal)
 
 
 def spread(wait_seconds: float) -> float:

@@ -16,7 +16,7 @@
    admission gate (:mod:`sqla_outbox.worker.gate`) decides first; a refused run is
    deferred through the outbox the same way (ADR 0014), and an admitted one gives its
    admission back when handling ends, with the outcome its breaker counts.
-4. **Take the run's lease** (:func:`sqla_outbox.worker.runs.take_lease`, in one transaction
+4. **Take the run's lease** (:func:`sqla_outbox.lifecycle.attempts.take_lease`, in one transaction
    with the other messages of the same receive: :mod:`sqla_outbox.worker.leases`). No such run
    (foreign or forged message) or a run of another task/tenant/queue → DLQ, never
    executed. A finished run → the copy is acknowledged and skipped (a failed run whose
@@ -55,12 +55,13 @@ import traceback as tb
 from typing import Any
 
 from sqla_outbox import envelope, errors, flow, metrics, tracing
+from sqla_outbox.lifecycle import attempts, retry, verdict
 from sqla_outbox.logging import log_extra, short_handle
-from sqla_outbox.sqs.client import SQS_MAX_VISIBILITY_SECONDS
-from sqla_outbox.worker import deferral, execute, gate, runs
+from sqla_outbox.types import SQS_MAX_VISIBILITY_SECONDS
+from sqla_outbox.worker import deferral, execute, gate
 from sqla_outbox.worker.context import bounded_detail
 from sqla_outbox.worker.flight import InFlight
-from sqla_outbox.worker.outcome import backoff_seconds, transient_delay, utc_now_text
+from sqla_outbox.worker.outcome import utc_now_text
 from sqla_outbox.worker.registry import TaskDefinition
 from sqla_outbox.worker.runtime import Runtime
 
@@ -162,7 +163,7 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
     definition = runtime.registry.tasks.get(env.task)
     if definition is None:  # e.g. old code during a rolling deploy: leave it to a worker that has it
         deferred = await deferral.defer_message(
-            runtime, flight, env, reason="no-handler", delay_seconds=no_handler_delay
+            runtime, flight, env, reason="no-handler", delay_seconds=retry.no_handler_delay
         )
         if deferred.claim is not None:
             await _settle_unclaimed(runtime, flight, deferred.claim)
@@ -218,40 +219,30 @@ async def _claim_and_run(
         document=env.encode(),
         queue=env.queue,
     )
-    if claim.status is not runs.ClaimStatus.CLAIMED:
+    if claim.status is not attempts.ClaimStatus.CLAIMED:
         await _settle_unclaimed(runtime, flight, claim)
         return
 
     flight.attempt, flight.leased = claim.attempt, True
-    attempt = runs.Attempt(env.run_id, claim.attempt, flight.receive_count, runtime.worker_id)
-    limit = definition.effective_max_receives(runtime.settings.worker_max_receives)
-    if flight.receive_count > limit:
-        exhausted = errors.PermanentError(
-            f"delivered {flight.receive_count} times without a verdict (limit {limit}); "
-            "earlier attempts were lost (worker crash or kill)"
-        )
-        await _fail(runtime, flight, attempt, exhausted, reason="receive-limit", trace=None)
+    attempt = attempts.Attempt(env.run_id, claim.attempt, flight.receive_count, runtime.worker_id)
+    rules = definition.retry_rules(runtime.settings)
+    refused = verdict.before_attempt(flight.receive_count, rules)
+    if refused is not None:
+        await _apply(runtime, flight, attempt, refused, trace=None)
         return
-    await _execute(runtime, flight, env, definition, attempt, limit)
+    await _execute(runtime, flight, env, definition, attempt, rules)
 
 
-def no_handler_delay(deferrals: int) -> float:
-    """Delay before a run this worker has no handler for is sent again: 1 s, doubling per
-    earlier such deferral, at most 60 s (the relay also holds rows no live worker
-    implements, so this only spaces out copies a mixed fleet hands around)."""
-    return float(min(2**deferrals, 60))
-
-
-async def _settle_unclaimed(runtime: Runtime, flight: InFlight, claim: runs.Claim) -> None:
+async def _settle_unclaimed(runtime: Runtime, flight: InFlight, claim: attempts.Claim) -> None:
     """A delivery that did not get the run: foreign, a copy of a finished run, or a copy of
     a run another worker holds."""
     status = claim.status
-    if status is runs.ClaimStatus.NOT_FOUND:
+    if status is attempts.ClaimStatus.NOT_FOUND:
         await _dead_letter_foreign(
             runtime, flight, reason="unknown-run", detail="no task_runs row for this run_id"
         )
         return
-    if status is runs.ClaimStatus.MISMATCH:
+    if status is attempts.ClaimStatus.MISMATCH:
         await _dead_letter_foreign(
             runtime,
             flight,
@@ -260,7 +251,7 @@ async def _settle_unclaimed(runtime: Runtime, flight: InFlight, claim: runs.Clai
             "(task, tenant or content differ)",
         )
         return
-    if status is runs.ClaimStatus.SUCCEEDED:
+    if status is attempts.ClaimStatus.SUCCEEDED:
         runtime.counters.duplicates_skipped += 1
         _log(
             logging.INFO,
@@ -271,24 +262,24 @@ async def _settle_unclaimed(runtime: Runtime, flight: InFlight, claim: runs.Clai
         )
         runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
         return
-    if status is runs.ClaimStatus.CANCELLED:
+    if status is attempts.ClaimStatus.CANCELLED:
         runtime.counters.duplicates_skipped += 1
         _log(
             logging.INFO, "cancelled run acknowledged; handler not called", "worker.cancelled_skipped", flight
         )
         runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
         return
-    if status is runs.ClaimStatus.FAILED:
+    if status is attempts.ClaimStatus.FAILED:
         if claim.dead_lettered:
             runtime.counters.duplicates_skipped += 1
             runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
         else:  # the permanent path was interrupted after `failed`: finish it
             await _send_to_dlq(runtime, flight, reason="completed-after-interruption", failure=None)
         return
-    if status is runs.ClaimStatus.NOT_DUE:
+    if status is attempts.ClaimStatus.NOT_DUE:
         await _early_copy(runtime, flight, claim.due_in_seconds)
         return
-    if status is runs.ClaimStatus.LEASED:
+    if status is attempts.ClaimStatus.LEASED:
         runtime.counters.duplicates_held += 1
         hide = flight.hideable_seconds(claim.lease_remaining_seconds + 2)
         _log(
@@ -306,8 +297,8 @@ async def _execute(
     flight: InFlight,
     env: envelope.Envelope,
     definition: TaskDefinition,
-    attempt: runs.Attempt,
-    limit: int,
+    attempt: attempts.Attempt,
+    rules: retry.RetryRules,
 ) -> None:
     timeout = definition.effective_timeout()
     ctx = execute.make_context(env, attempt, definition, queue=flight.queue, settings=runtime.settings)
@@ -317,6 +308,8 @@ async def _execute(
     started = time.perf_counter()
     _log(logging.DEBUG, "attempt started", "worker.attempt_started", flight, attempt=attempt.attempt)
     span_attributes = execute.span_attributes(env, attempt, queue=flight.queue)
+    error: BaseException | None = None
+    trace: str | None = None
     try:
         with tracing.handler_span(f"{env.task} process", env.trace, span_attributes):
             if definition.is_async:
@@ -334,12 +327,8 @@ async def _execute(
         return
     except _TimedOut:
         ctx.cancel_event.set()
-        flight.limit_outcome = "failure"
         assert timeout is not None
-        await _transient(
-            runtime, flight, attempt, errors.AttemptTimeout(timeout), limit, definition, trace=None
-        )
-        return
+        error = errors.AttemptTimeout(timeout)
     except asyncio.CancelledError:
         ctx.cancel_event.set()
         flight.limit_outcome = "neutral"
@@ -349,25 +338,24 @@ async def _execute(
         await _reconcile_lost(runtime, flight)
         return
     except errors.Retry as exc:
-        flight.limit_outcome = "failure"
-        await _transient(
-            runtime, flight, attempt, exc, limit, definition, trace=None, delay=exc.delay_seconds
-        )
-        return
+        error = exc
     except Exception as exc:
+        error = exc
         trace = "".join(tb.format_exception(exc))
-        # a breaker counts what says the integration is unwell, not bad input (ADR 0014)
-        flight.limit_outcome = "neutral" if definition.is_permanent(exc) else "failure"
-        if definition.is_permanent(exc):
-            await _fail(runtime, flight, attempt, exc, reason="permanent-error", trace=trace)
-        else:
-            at_least = exc.retry_after_seconds if isinstance(exc, errors.WebhookFailed) else None
-            await _transient(runtime, flight, attempt, exc, limit, definition, trace=trace, at_least=at_least)
-        return
     finally:
         metrics.HANDLER_SECONDS.labels(env.task).observe(time.perf_counter() - started)
+    decided = verdict.decide(
+        error,
+        rules,
+        receive_count=flight.receive_count,
+        attempt=attempt.attempt,
+        ceiling_seconds=flight.hideable_seconds(SQS_MAX_VISIBILITY_SECONDS),
+    )
+    flight.limit_outcome = decided.breaker_outcome
+    if decided.kind is not verdict.Kind.SUCCEED:
+        await _apply(runtime, flight, attempt, decided, trace=trace)
+        return
     flight.verdict = "succeeded"
-    flight.limit_outcome = "success"
     runtime.counters.succeeded += 1
     metrics.RUNS_FINISHED.labels(env.task, "succeeded").inc()
     _log(
@@ -381,84 +369,52 @@ async def _execute(
     runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
 
 
-async def _transient(
+async def _apply(
     runtime: Runtime,
     flight: InFlight,
-    attempt: runs.Attempt,
-    exc: BaseException,
-    limit: int,
-    definition: TaskDefinition,
+    attempt: attempts.Attempt,
+    decided: verdict.Verdict,
     *,
     trace: str | None,
-    delay: float | None = None,
-    at_least: float | None = None,
 ) -> None:
-    """Record a transient failure and hide the message until its next attempt.
-
-    ``delay`` (seconds, from :class:`~sqla_outbox.errors.Retry`) replaces the task's backoff;
-    ``at_least`` (seconds, a webhook receiver's ``Retry-After``) only lengthens it.
-    """
-    # attempts bound it too: a deferral (rate limit, breaker) sends a fresh message whose
-    # receive count starts again at 1, while attempts count every execution (ADR 0014)
-    spent = max(flight.receive_count, attempt.attempt)
-    if spent >= limit:
-        await _fail(runtime, flight, attempt, exc, reason="retries-exhausted", trace=trace)
-        return
-    base = definition.retry.backoff_base_seconds
-    cap = definition.retry.backoff_max_seconds
-    allowed = flight.hideable_seconds(SQS_MAX_VISIBILITY_SECONDS)
-    seconds = transient_delay(
-        backoff_seconds(
-            spent,
-            base=runtime.settings.worker_backoff_base_seconds if base is None else base,
-            cap=runtime.settings.worker_backoff_max_seconds if cap is None else cap,
-            allowed_seconds=allowed,
-        ),
-        delay=delay,
-        at_least=at_least,
-        allowed=allowed,
-    )
-    failure = runs.Failure.from_exception(exc, trace)
-    moved = await runtime.io(
-        runtime.in_transaction,
-        lambda conn: runs.mark_retrying(
-            conn, attempt, failure, backoff_seconds=seconds, detail=_handler_detail(flight)
-        ),
-    )
+    """Record a RETRY or FAIL verdict (:mod:`sqla_outbox.lifecycle.verdict`), then tell SQS:
+    hide the message until the next try, or send it to the DLQ."""
+    assert decided.error is not None
+    failure = attempts.Failure.from_exception(decided.error, trace)
+    detail = _handler_detail(flight)
+    if decided.kind is verdict.Kind.FAIL:
+        assert decided.reason is not None
+        reason = decided.reason
+        moved = await runtime.io(
+            runtime.in_transaction,
+            lambda conn: attempts.mark_failed(conn, attempt, failure, reason=reason, detail=detail),
+        )
+    else:
+        moved = await runtime.io(
+            runtime.in_transaction,
+            lambda conn: attempts.mark_retrying(
+                conn, attempt, failure, backoff_seconds=decided.delay_seconds, detail=detail
+            ),
+        )
     if not moved:
         await _reconcile_lost(runtime, flight)
         return
-    flight.verdict = "retrying"
-    runtime.counters.retried += 1
-    metrics.RUNS_FINISHED.labels(attempt_task(flight), "retrying").inc()
-    _log(
-        logging.WARNING,
-        "attempt failed; will retry",
-        "worker.retrying",
-        flight,
-        attempt=attempt.attempt,
-        error_type=failure.error_type,
-        backoff_s=round(seconds, 2),
-    )
-    await runtime.io(runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, seconds)
-
-
-async def _fail(
-    runtime: Runtime,
-    flight: InFlight,
-    attempt: runs.Attempt,
-    exc: BaseException,
-    *,
-    reason: str,
-    trace: str | None,
-) -> None:
-    failure = runs.Failure.from_exception(exc, trace)
-    moved = await runtime.io(
-        runtime.in_transaction,
-        lambda conn: runs.mark_failed(conn, attempt, failure, reason=reason, detail=_handler_detail(flight)),
-    )
-    if not moved:
-        await _reconcile_lost(runtime, flight)
+    if decided.kind is verdict.Kind.RETRY:
+        flight.verdict = "retrying"
+        runtime.counters.retried += 1
+        metrics.RUNS_FINISHED.labels(attempt_task(flight), "retrying").inc()
+        _log(
+            logging.WARNING,
+            "attempt failed; will retry",
+            "worker.retrying",
+            flight,
+            attempt=attempt.attempt,
+            error_type=failure.error_type,
+            backoff_s=round(decided.delay_seconds, 2),
+        )
+        await runtime.io(
+            runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, decided.delay_seconds
+        )
         return
     flight.verdict = "failed"
     runtime.counters.failed += 1
@@ -470,13 +426,13 @@ async def _fail(
         flight,
         attempt=attempt.attempt,
         error_type=failure.error_type,
-        reason=reason,
+        reason=decided.reason,
     )
-    await _send_to_dlq(runtime, flight, reason=reason, failure=failure)
+    await _send_to_dlq(runtime, flight, reason=decided.reason or "failed", failure=failure)
 
 
 async def _send_to_dlq(
-    runtime: Runtime, flight: InFlight, *, reason: str, failure: runs.Failure | None
+    runtime: Runtime, flight: InFlight, *, reason: str, failure: attempts.Failure | None
 ) -> None:
     context = {
         "reason": reason,
@@ -500,7 +456,7 @@ async def _send_to_dlq(
         run_id = flight.run_id
         await runtime.io(
             runtime.in_transaction,
-            lambda conn: runs.mark_dead_lettered(
+            lambda conn: attempts.mark_dead_lettered(
                 conn,
                 run_id,
                 receive_count=flight.receive_count,
@@ -561,7 +517,7 @@ async def _early_copy(runtime: Runtime, flight: InFlight, due_in_seconds: float)
     assert flight.run_id is not None
     run_id = flight.run_id
     pending = due_in_seconds > EARLY_COPY_HIDE_SECONDS and await runtime.io(
-        runtime.in_transaction, lambda conn: runs.outbox_pending(conn, run_id)
+        runtime.in_transaction, lambda conn: attempts.outbox_pending(conn, run_id)
     )
     runtime.counters.foreign += 1
     if pending:
@@ -590,19 +546,19 @@ def _record_cancelled(runtime: Runtime, flight: InFlight) -> None:
 
 async def _reconcile_lost(runtime: Runtime, flight: InFlight) -> None:
     """The attempt's transition matched nothing: act on the run's real status. A committed
-    cancel request is why, when :func:`~sqla_outbox.worker.runs.mark_cancelled` matches:
+    cancel request is why, when :func:`~sqla_outbox.lifecycle.attempts.mark_cancelled` matches:
     the run ends ``cancelled`` and the message is deleted."""
     assert flight.run_id is not None
     run_id = flight.run_id
     if flight.leased and flight.verdict is None:
-        attempt = runs.Attempt(run_id, flight.attempt, flight.receive_count, runtime.worker_id)
+        attempt = attempts.Attempt(run_id, flight.attempt, flight.receive_count, runtime.worker_id)
         detail = _handler_detail(flight)
         if await runtime.io(
-            runtime.in_transaction, lambda conn: runs.mark_cancelled(conn, attempt, detail=detail)
+            runtime.in_transaction, lambda conn: attempts.mark_cancelled(conn, attempt, detail=detail)
         ):
             _record_cancelled(runtime, flight)
             return
-    status = await runtime.io(runtime.in_transaction, lambda conn: runs.current_status(conn, run_id))
+    status = await runtime.io(runtime.in_transaction, lambda conn: attempts.current_status(conn, run_id))
     runtime.counters.lost_leases += 1
     _log(logging.WARNING, "attempt lost the run; reconciling", "worker.lease_lost", flight, status=status)
     if status in ("succeeded", "cancelled"):
@@ -620,9 +576,9 @@ async def give_back(runtime: Runtime, flight: InFlight, *, reason: str, hide_sec
             poll cannot take the message back (SQS counts every receive toward redrive).
     """
     if flight.leased and flight.verdict is None and flight.run_id is not None:
-        attempt = runs.Attempt(flight.run_id, flight.attempt, flight.receive_count, runtime.worker_id)
+        attempt = attempts.Attempt(flight.run_id, flight.attempt, flight.receive_count, runtime.worker_id)
         moved = await runtime.io(
-            runtime.in_transaction, lambda conn: runs.mark_requeued(conn, attempt, reason=reason)
+            runtime.in_transaction, lambda conn: attempts.mark_requeued(conn, attempt, reason=reason)
         )
         if not moved:
             await _reconcile_lost(runtime, flight)

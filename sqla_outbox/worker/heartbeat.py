@@ -11,7 +11,7 @@ cancelled; its result would be discarded anyway.
 
 Every ``worker_cancel_check_seconds`` (while any run executes) the heartbeat also asks
 PostgreSQL which of its running runs a committed ``Cancel`` asked to stop (one
-primary-key query for all of them, :func:`~sqla_outbox.worker.runs.cancel_requests`),
+primary-key query for all of them, :func:`~sqla_outbox.lifecycle.attempts.cancel_requests`),
 and signals those attempts: ``ctx.cancel_event`` (what the handler sees, the signal
 timeouts use) and the flight's ``stop_requested`` (the worker records ``cancelled``).
 
@@ -29,9 +29,9 @@ import uuid
 from collections.abc import Callable, Iterable
 
 from sqla_outbox import metrics
+from sqla_outbox.lifecycle import attempts
 from sqla_outbox.logging import log_extra
 from sqla_outbox.sqs.client import SQS_MAX_BATCH_ENTRIES, error_code
-from sqla_outbox.worker import runs
 from sqla_outbox.worker.flight import InFlight
 from sqla_outbox.worker.runtime import Runtime
 
@@ -102,7 +102,7 @@ async def beat(runtime: Runtime, in_flight: list[InFlight]) -> None:
     lease_seconds = {f.run_id: float(runtime.visibility[f.queue]) for f in leased}
     longest = max(lease_seconds.values())
     still_held = await runtime.io(
-        runtime.in_transaction, lambda conn: runs.renew_leases(conn, held_pairs, lease_seconds=longest)
+        runtime.in_transaction, lambda conn: attempts.renew_leases(conn, held_pairs, lease_seconds=longest)
     )
     for flight in leased:
         if flight.run_id not in still_held and flight.verdict is None and flight.ctx is not None:
@@ -120,7 +120,7 @@ async def check_cancel_requests(runtime: Runtime, in_flight: list[InFlight]) -> 
     if not running:
         return 0
     run_ids = [f.run_id for f in running if f.run_id is not None]
-    requested = await runtime.io(runtime.in_transaction, lambda conn: runs.cancel_requests(conn, run_ids))
+    requested = await runtime.io(runtime.in_transaction, lambda conn: attempts.cancel_requests(conn, run_ids))
     signalled = 0
     for flight in running:
         if flight.run_id in requested and flight.ctx is not None:

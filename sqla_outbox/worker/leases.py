@@ -2,7 +2,7 @@
 
 A receive brings up to 10 messages, and the worker starts a handling task for each in the
 same event-loop turn; each then needs its run's lease
-(:func:`sqla_outbox.worker.runs.take_lease`). Taken one by one, that is a thread hop, a
+(:func:`sqla_outbox.lifecycle.attempts.take_lease`). Taken one by one, that is a thread hop, a
 checkout, a ``BEGIN`` and a ``COMMIT`` per message (ADR 0017, item 4). :class:`LeaseBatcher`
 collects the requests made in one loop turn and takes them in one transaction on one I/O
 thread: one commit for the batch, the same statement per run as before, so every rule of
@@ -23,9 +23,9 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from sqla_outbox.worker import runs
+from sqla_outbox.lifecycle import attempts
 
-_Request = tuple[dict[str, Any], "asyncio.Future[runs.Claim]"]
+_Request = tuple[dict[str, Any], "asyncio.Future[attempts.Claim]"]
 
 
 class LeaseBatcher:
@@ -43,7 +43,7 @@ class LeaseBatcher:
         self._scheduled = False
         self._inflight: set[asyncio.Task[None]] = set()
 
-    async def take(self, **arguments: Any) -> runs.Claim:
+    async def take(self, **arguments: Any) -> attempts.Claim:
         """``take_lease(connection, **arguments)``, batched with the other requests of this
         loop turn, committed before it returns.
 
@@ -51,7 +51,7 @@ class LeaseBatcher:
             Exception: Whatever the batch's transaction raised.
         """
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[runs.Claim] = loop.create_future()
+        future: asyncio.Future[attempts.Claim] = loop.create_future()
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # its awaiter may be gone
         self._pending.append((arguments, future))
         if not self._scheduled:
@@ -77,10 +77,10 @@ class LeaseBatcher:
             if not future.done():
                 future.set_result(claim)
 
-    def _take_all(self, requests: list[dict[str, Any]]) -> list[runs.Claim]:
+    def _take_all(self, requests: list[dict[str, Any]]) -> list[attempts.Claim]:
         order = sorted(range(len(requests)), key=lambda i: str(requests[i]["run_id"]))
-        claims: list[runs.Claim | None] = [None] * len(requests)
+        claims: list[attempts.Claim | None] = [None] * len(requests)
         with self.engine.begin() as connection:
             for i in order:
-                claims[i] = runs.take_lease(connection, **requests[i])
+                claims[i] = attempts.take_lease(connection, **requests[i])
         return [claim for claim in claims if claim is not None]

@@ -9,21 +9,20 @@
   attributes, then DeleteMessage from the source.
 * **return** — ChangeMessageVisibility 0: visible again at once (shutdown).
 
-Backoff (:func:`backoff_seconds`): ``base * 2 ** (receive_count - 1)``, capped (exponent
-capped first: :mod:`sqla_outbox.backoff`), drawn uniformly between half and all of it
-("equal jitter"), and never past what SQS still allows: a message stays hidden at most 12
-hours after its first receive (:meth:`~sqla_outbox.worker.flight.InFlight.hideable_seconds`).
+How long a retry waits is not decided here: :mod:`sqla_outbox.lifecycle.verdict` and
+:mod:`sqla_outbox.lifecycle.retry` decide, within what SQS still allows (a message stays
+hidden at most 12 hours after its first receive:
+:meth:`~sqla_outbox.worker.flight.InFlight.hideable_seconds`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import random
 from collections.abc import Mapping
 from typing import Any
 
-from sqla_outbox import backoff, charsets, envelope
-from sqla_outbox.sqs.client import SQS_MAX_VISIBILITY_SECONDS, QueueDirectory
+from sqla_outbox import charsets, envelope
+from sqla_outbox.sqs.client import QueueDirectory
 
 SQS_MAX_MESSAGE_ATTRIBUTES = 10
 """A message carries at most 10 message attributes (SQS quota)."""
@@ -35,54 +34,6 @@ signing keys are set) stays with the body, so a DLQ message keeps its proof of o
 CONTEXT_ATTRIBUTES = ("reason", "failed_at", "receive_count", "source_queue", "error_type", "error_message")
 """Added by the worker. The worker id is not among them (the run's trail and the worker's
 log line name it): 4 origin + 6 context attributes is SQS's limit of 10."""
-
-
-def backoff_seconds(
-    receive_count: int,
-    *,
-    base: float,
-    cap: float,
-    allowed_seconds: float = SQS_MAX_VISIBILITY_SECONDS,
-    rng: random.Random | None = None,
-) -> float:
-    """Visibility delay before the next delivery after a transient failure.
-
-    Args:
-        receive_count: ApproximateReceiveCount of the failed delivery (1 for the first);
-            any integer (the exponent is capped before the power is computed).
-        base: Nominal delay after the first failure, seconds.
-        cap: Largest nominal delay, seconds.
-        allowed_seconds: The most visibility SQS still allows the message
-            (:meth:`~sqla_outbox.worker.flight.InFlight.hideable_seconds`).
-        rng: Random source (tests pass a seeded one).
-
-    Returns:
-        Seconds within ``[n / 2, n]`` for the nominal ``n = min(cap, base * 2 **
-        (receive_count - 1), allowed_seconds)``: the base is the nominal first delay, not
-        a minimum.
-    """
-    nominal = backoff.exponential_seconds(receive_count - 1, base=base, cap=cap)
-    ceiling = max(0.0, min(nominal, allowed_seconds))
-    return backoff.equal_jitter(ceiling, rng)
-
-
-def transient_delay(computed: float, *, delay: float | None, at_least: float | None, allowed: float) -> float:
-    """Seconds to hide a message after a transient failure.
-
-    Args:
-        computed: The task's backoff for this receive (:func:`backoff_seconds`).
-        delay: A delay the handler asked for with :class:`~sqla_outbox.errors.Retry`: it
-            replaces the backoff.
-        at_least: A floor from outside (a webhook receiver's ``Retry-After``): it may only
-            lengthen the backoff, so a receiver asking for 2 s cannot spend every attempt
-            within seconds.
-        allowed: The most visibility SQS still allows the message, seconds.
-    """
-    if delay is not None:
-        return min(delay, allowed)
-    if at_least is not None:
-        return min(max(computed, at_least), allowed)
-    return computed
 
 
 class Outcomes:

@@ -30,6 +30,8 @@ from typing import Any
 from sqla_outbox import errors, maintenance, webhooks
 from sqla_outbox.catalog import DEFAULT_QUEUE_VISIBILITY_SECONDS, Catalog, QueueSpec, Scope, TaskSpec
 from sqla_outbox.config import OutboxSettings
+from sqla_outbox.lifecycle import retry
+from sqla_outbox.lifecycle.retry import RetryRules
 from sqla_outbox.types import PRIORITY_MAX, PRIORITY_MIN, QUEUE_NAMES, is_priority
 from sqla_outbox.worker.limits import Breaker, TaskLimits
 
@@ -43,33 +45,8 @@ DEFAULT_TIMEOUT_SECONDS: dict[str, float] = {
 get the ``default`` queue's."""
 
 
-@dataclasses.dataclass(frozen=True)
-class RetryPolicy:
-    """How a task retries transient failures. None fields use the worker settings.
-
-    Attributes:
-        max_receives: A transient failure on this receive or later goes to the DLQ
-            (default ``worker_max_receives``, 5). Must stay below the queue's redrive
-            ``maxReceiveCount`` (7) so the runtime, not SQS, decides.
-        backoff_base_seconds: Delay after the first failure; doubles per receive, with
-            jitter (default ``worker_backoff_base_seconds``, 5 s).
-        backoff_max_seconds: Cap (default ``worker_backoff_max_seconds``, 900 s; SQS
-            allows at most 43,200 s of visibility).
-    """
-
-    max_receives: int | None = None
-    backoff_base_seconds: float | None = None
-    backoff_max_seconds: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_receives is not None and self.max_receives < 1:
-            raise errors.ConfigurationError("max_receives must be >= 1", option="RetryPolicy.max_receives")
-        for name in ("backoff_base_seconds", "backoff_max_seconds"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= 43_200:
-                raise errors.ConfigurationError(
-                    f"{name} must be within 0..43200 s", option=f"RetryPolicy.{name}"
-                )
+RetryPolicy = retry.RetryPolicy
+"""How a task retries transient failures (:class:`sqla_outbox.lifecycle.retry.RetryPolicy`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +73,7 @@ class TaskDefinition:
     queue: str = "default"
     scope: Scope = "any"
     timeout_seconds: float | None = None
-    retry: RetryPolicy = RetryPolicy()
+    retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
     permanent: tuple[type[BaseException], ...] = ()
     subscribes: tuple[str, ...] = ()
     schedule: Mapping[str, Any] | None = None
@@ -112,13 +89,18 @@ class TaskDefinition:
             return DEFAULT_TIMEOUT_SECONDS.get(self.queue, DEFAULT_TIMEOUT_SECONDS["default"])
         return None if self.timeout_seconds == 0 else self.timeout_seconds
 
-    def effective_max_receives(self, default: int) -> int:
-        """The receive on which a transient failure goes to the DLQ: the task's
-        ``RetryPolicy.max_receives``, else ``default`` (the ``worker_max_receives`` setting)."""
-        return self.retry.max_receives or default
-
-    def is_permanent(self, exc: BaseException) -> bool:
-        return isinstance(exc, errors.PermanentError) or isinstance(exc, self.permanent)
+    def retry_rules(self, settings: OutboxSettings) -> RetryRules:
+        """The task's :class:`~sqla_outbox.lifecycle.retry.RetryRules`: its ``retry``
+        policy over the worker settings (``worker_max_receives``,
+        ``worker_backoff_base_seconds``, ``worker_backoff_max_seconds``) and its
+        ``permanent`` types."""
+        return retry.RetryRules.resolve(
+            self.retry,
+            default_max_receives=settings.worker_max_receives,
+            default_base_seconds=settings.worker_backoff_base_seconds,
+            default_max_seconds=settings.worker_backoff_max_seconds,
+            permanent=self.permanent,
+        )
 
     def spec(self) -> TaskSpec:
         return TaskSpec(

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_outbox import Dispatch, Group
 from sqla_outbox.config import OutboxSettings
-from sqla_outbox.worker import runs
+from sqla_outbox.lifecycle import attempts
 from tests.support import run_cli, service_env
 
 pytestmark = pytest.mark.e2e
@@ -25,7 +25,7 @@ def cli(settings: OutboxSettings, *args: str) -> subprocess.CompletedProcess[str
 
 def finish(engine: sa.Engine, run_id: uuid.UUID) -> None:
     with engine.begin() as conn:
-        claim = runs.take_lease(
+        claim = attempts.take_lease(
             conn,
             run_id=run_id,
             task="audit",
@@ -35,7 +35,7 @@ def finish(engine: sa.Engine, run_id: uuid.UUID) -> None:
             receive_count=1,
             honour_due_time=False,
         )
-        runs.mark_succeeded(conn, runs.Attempt(run_id, claim.attempt, 1, "w"))
+        attempts.mark_succeeded(conn, attempts.Attempt(run_id, claim.attempt, 1, "w"))
 
 
 def test_groups_list_and_show_report_progress(

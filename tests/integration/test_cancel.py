@@ -297,7 +297,7 @@ def test_async_session_cancel(
 def test_a_cancel_pending_when_the_worker_died_ends_the_run_at_the_next_delivery(
     factory: sessionmaker[Session], engine: sa.Engine
 ) -> None:
-    from sqla_outbox.worker import runs
+    from sqla_outbox.lifecycle import attempts
 
     run_id = dispatch(factory)
     set_status(engine, run_id, "running", sent=True)
@@ -308,7 +308,7 @@ def test_a_cancel_pending_when_the_worker_died_ends_the_run_at_the_next_delivery
         connection.execute(
             sa.text("UPDATE task_runs SET lease_expires_at = clock_timestamp() + interval '1 minute'")
         )
-        live = runs.take_lease(
+        live = attempts.take_lease(
             connection,
             run_id=run_id,
             task="send_welcome",
@@ -317,12 +317,12 @@ def test_a_cancel_pending_when_the_worker_died_ends_the_run_at_the_next_delivery
             lease_seconds=30,
             receive_count=2,
         )
-    assert live.status is runs.ClaimStatus.LEASED
+    assert live.status is attempts.ClaimStatus.LEASED
     with engine.begin() as connection:  # the worker died: its lease expired
         connection.execute(
             sa.text("UPDATE task_runs SET lease_expires_at = clock_timestamp() - interval '1 s'")
         )
-        claim = runs.take_lease(
+        claim = attempts.take_lease(
             connection,
             run_id=run_id,
             task="send_welcome",
@@ -331,7 +331,7 @@ def test_a_cancel_pending_when_the_worker_died_ends_the_run_at_the_next_delivery
             lease_seconds=30,
             receive_count=2,
         )
-    assert claim.status is runs.ClaimStatus.CANCELLED
+    assert claim.status is attempts.ClaimStatus.CANCELLED
     run = run_row(engine, run_id)
     assert (run.status, run.attempts) == ("cancelled", 1)  # no new attempt was started
     assert [t.status for t in trail(engine, run_id)] == ["running", "cancelled"]
@@ -339,14 +339,14 @@ def test_a_cancel_pending_when_the_worker_died_ends_the_run_at_the_next_delivery
 
 
 def test_a_cancelled_run_is_never_claimed(factory: sessionmaker[Session], engine: sa.Engine) -> None:
-    from sqla_outbox.worker import runs
+    from sqla_outbox.lifecycle import attempts
 
     run_id = dispatch(factory)
     set_status(engine, run_id, "queued", sent=True)
     with factory() as session, session.begin():
         session.add(Cancel(run_id))
     with engine.begin() as connection:
-        claim = runs.take_lease(
+        claim = attempts.take_lease(
             connection,
             run_id=run_id,
             task="send_welcome",
@@ -355,7 +355,7 @@ def test_a_cancelled_run_is_never_claimed(factory: sessionmaker[Session], engine
             lease_seconds=30,
             receive_count=1,
         )
-    assert claim.status is runs.ClaimStatus.CANCELLED
+    assert claim.status is attempts.ClaimStatus.CANCELLED
     assert run_row(engine, run_id).attempts == 0
 
 

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_outbox import Dispatch, Group, errors, groups
-from sqla_outbox.worker import runs
+from sqla_outbox.lifecycle import attempts
 
 
 def add_group(app: sessionmaker[Session], size: int, **completion: Any) -> Group:
@@ -51,8 +51,8 @@ def completion_rows(engine: sa.Engine, group: Group) -> tuple[int, int]:
     return int(run_rows), int(outbox)
 
 
-def take(conn: sa.Connection, run_id: uuid.UUID, worker: str) -> runs.Attempt:
-    claim = runs.take_lease(
+def take(conn: sa.Connection, run_id: uuid.UUID, worker: str) -> attempts.Attempt:
+    claim = attempts.take_lease(
         conn,
         run_id=run_id,
         task="audit",
@@ -62,8 +62,8 @@ def take(conn: sa.Connection, run_id: uuid.UUID, worker: str) -> runs.Attempt:
         receive_count=1,
         honour_due_time=False,
     )
-    assert claim.status is runs.ClaimStatus.CLAIMED, claim
-    return runs.Attempt(run_id=run_id, attempt=claim.attempt, receive_count=1, worker_id=worker)
+    assert claim.status is attempts.ClaimStatus.CLAIMED, claim
+    return attempts.Attempt(run_id=run_id, attempt=claim.attempt, receive_count=1, worker_id=worker)
 
 
 def test_a_group_writes_its_members_and_holds_the_completion_back(
@@ -85,18 +85,20 @@ def test_the_last_member_to_finish_writes_the_completion_once_with_every_status(
     group = add_group(app, 3)
     first, second, third = member_ids(engine, group)
     with engine.begin() as conn:
-        runs.mark_succeeded(conn, take(conn, first, "w1"))
+        attempts.mark_succeeded(conn, take(conn, first, "w1"))
     with engine.begin() as conn:  # failed and given up: finished too
-        runs.mark_failed(
-            conn, take(conn, second, "w1"), runs.Failure("ValueError", "no seat"), reason="permanent"
+        attempts.mark_failed(
+            conn, take(conn, second, "w1"), attempts.Failure("ValueError", "no seat"), reason="permanent"
         )
     assert completion_rows(engine, group) == (0, 0)
     with engine.begin() as conn:
         attempt = take(conn, third, "w1")
-        runs.mark_retrying(conn, attempt, runs.Failure("OSError", "busy"), backoff_seconds=1)  # not finished
+        attempts.mark_retrying(
+            conn, attempt, attempts.Failure("OSError", "busy"), backoff_seconds=1
+        )  # not finished
     assert completion_rows(engine, group) == (0, 0)
     with engine.begin() as conn:
-        runs.mark_succeeded(conn, take(conn, third, "w1"))
+        attempts.mark_succeeded(conn, take(conn, third, "w1"))
     assert completion_rows(engine, group) == (1, 1)
     with engine.connect() as conn:
         state = groups.outcome(conn, group.completion_run_id)
@@ -118,7 +120,9 @@ def test_a_member_finishing_twice_is_counted_once(app: sessionmaker[Session], en
     first, _second = member_ids(engine, group)
     for _ in range(2):
         with engine.begin() as conn:
-            runs.mark_failed(conn, take(conn, first, "w1"), runs.Failure("E", "x"), reason="permanent")
+            attempts.mark_failed(
+                conn, take(conn, first, "w1"), attempts.Failure("E", "x"), reason="permanent"
+            )
         with engine.begin() as conn:
             conn.execute(sa.text("UPDATE task_runs SET status = 'queued' WHERE run_id = :r"), {"r": first})
     assert completion_rows(engine, group) == (0, 0)
@@ -162,7 +166,7 @@ def test_members_finishing_at_the_same_moment_write_the_completion_once(
                 attempt = take(conn, run_id, f"w-{run_id.hex[:4]}")
                 conn.commit()
                 barrier.wait(timeout=10)
-                assert runs.mark_succeeded(conn, attempt)
+                assert attempts.mark_succeeded(conn, attempt)
                 conn.commit()
         except BaseException as exc:  # reported below
             failures.append(exc)
@@ -189,11 +193,11 @@ def test_a_rolled_back_finish_leaves_the_group_unfinished(
     with engine.connect() as conn:
         attempt = take(conn, only, "w1")
         conn.commit()
-        runs.mark_succeeded(conn, attempt)
+        attempts.mark_succeeded(conn, attempt)
         conn.rollback()
     assert completion_rows(engine, group) == (0, 0)
     with engine.begin() as conn:
-        runs.mark_succeeded(conn, attempt)
+        attempts.mark_succeeded(conn, attempt)
     assert completion_rows(engine, group) == (1, 1)
 
 
@@ -236,7 +240,7 @@ def test_a_tenant_completion_goes_to_the_tenant_outbox(app: sessionmaker[Session
         session.add(group)
     (only,) = member_ids(engine, group)
     with engine.begin() as conn:
-        claim = runs.take_lease(
+        claim = attempts.take_lease(
             conn,
             run_id=only,
             task="charge_card",
@@ -246,7 +250,7 @@ def test_a_tenant_completion_goes_to_the_tenant_outbox(app: sessionmaker[Session
             receive_count=1,
             honour_due_time=False,
         )
-        runs.mark_succeeded(conn, runs.Attempt(only, claim.attempt, 1, "w"))
+        attempts.mark_succeeded(conn, attempts.Attempt(only, claim.attempt, 1, "w"))
     with engine.connect() as conn:
         tenant = conn.execute(
             sa.text("SELECT tenant_id FROM outbox_messages WHERE run_id = :r"), {"r": group.completion_run_id}
@@ -289,7 +293,7 @@ def test_purge_keeps_groups_until_completed_and_their_completion_ran(
     waiting, done = add_group(app, 2), add_group(app, 1)
     (only,) = member_ids(engine, done)
     with engine.begin() as conn:
-        runs.mark_succeeded(conn, take(conn, only, "w1"))
+        attempts.mark_succeeded(conn, take(conn, only, "w1"))
     with engine.begin() as conn:  # all of it long ago
         conn.execute(sa.text("UPDATE task_groups SET created_at = created_at - interval '30 days'"))
         conn.execute(
@@ -353,7 +357,7 @@ def test_a_completion_whose_tenant_is_gone_fails_without_blocking_the_member(
         conn.execute(sa.text("DELETE FROM tenants WHERE id = 20"))
     (only,) = member_ids(engine, group)
     with engine.begin() as conn:
-        assert runs.mark_succeeded(conn, take(conn, only, "w1"))
+        assert attempts.mark_succeeded(conn, take(conn, only, "w1"))
     with engine.connect() as conn:
         member = conn.execute(
             sa.text("SELECT status FROM task_runs WHERE run_id = :r"), {"r": only}
@@ -377,7 +381,7 @@ def test_the_completion_reads_members_results_and_a_cancelled_member_counts_as_f
     group = add_group(app, 2)
     first, second = member_ids(engine, group)
     with engine.begin() as conn:
-        runs.mark_succeeded(conn, take(conn, first, "w1"), result='{"seat": "12A"}')
+        attempts.mark_succeeded(conn, take(conn, first, "w1"), result='{"seat": "12A"}')
     with app() as session, session.begin():
         session.add(Cancel(second))
     with engine.connect() as conn:

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_outbox import Dispatch, envelope
-from sqla_outbox.worker import runs
+from sqla_outbox.lifecycle import attempts
 from sqla_outbox.worker.leases import LeaseBatcher
 from tests.support import outbox_rows, run_row
 
@@ -44,7 +44,7 @@ def test_one_receive_takes_its_leases_in_one_commit_and_each_gets_its_own_verdic
 ) -> None:
     free, held, forged = (_dispatch(app) for _ in range(3))
     with engine.begin() as conn:  # another worker holds a live lease on `held`
-        runs.take_lease(
+        attempts.take_lease(
             conn,
             run_id=held,
             task="audit",
@@ -65,7 +65,7 @@ def test_one_receive_takes_its_leases_in_one_commit_and_each_gets_its_own_verdic
     sa.event.listen(engine, "commit", count)
     batcher = LeaseBatcher(engine, lambda fn, *a: asyncio.to_thread(fn, *a))
 
-    async def receive() -> list[runs.Claim]:
+    async def receive() -> list[attempts.Claim]:
         return await asyncio.gather(
             batcher.take(**_request(engine, free)),
             batcher.take(**_request(engine, held)),
@@ -77,9 +77,9 @@ def test_one_receive_takes_its_leases_in_one_commit_and_each_gets_its_own_verdic
     finally:
         sa.event.remove(engine, "commit", count)
     assert [c.status for c in claims] == [
-        runs.ClaimStatus.CLAIMED,
-        runs.ClaimStatus.LEASED,
-        runs.ClaimStatus.MISMATCH,
+        attempts.ClaimStatus.CLAIMED,
+        attempts.ClaimStatus.LEASED,
+        attempts.ClaimStatus.MISMATCH,
     ]
     assert len(commits) == 1
     assert (run_row(engine, free).status, run_row(engine, free).lease_owner) == ("running", "batching-worker")

@@ -20,11 +20,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_outbox import Dispatch, envelope, errors
 from sqla_outbox.config import OutboxSettings
+from sqla_outbox.lifecycle import attempts
 from sqla_outbox.ops import dlq, requeue, runs, status
 from sqla_outbox.relay import Relay
 from sqla_outbox.sqs.client import QueueDirectory
 from sqla_outbox.wakeup import Waker
-from sqla_outbox.worker import runs as worker_runs
 from sqla_outbox.worker.outcome import Outcomes
 from tests.support import receive_all, run_row, trail
 
@@ -80,7 +80,7 @@ def fail_into_dlq(
         if env.run_id not in run_ids:
             continue
         with engine.begin() as conn:
-            claim = worker_runs.take_lease(
+            claim = attempts.take_lease(
                 conn,
                 run_id=env.run_id,
                 task=env.task,
@@ -89,11 +89,11 @@ def fail_into_dlq(
                 lease_seconds=60,
                 receive_count=1,
             )
-            attempt = worker_runs.Attempt(env.run_id, claim.attempt, 1, "test-worker")
-            failure = worker_runs.Failure(
+            attempt = attempts.Attempt(env.run_id, claim.attempt, 1, "test-worker")
+            failure = attempts.Failure(
                 "ValueError", "order 7 has no lines", "Traceback ...\nValueError: order 7"
             )
-            assert worker_runs.mark_failed(conn, attempt, failure, reason="permanent-error")
+            assert attempts.mark_failed(conn, attempt, failure, reason="permanent-error")
         context = {
             "reason": "permanent-error",
             "error_type": "ValueError",
@@ -110,7 +110,7 @@ def fail_into_dlq(
             queue, message["ReceiptHandle"], message["Body"], message["MessageAttributes"], context
         )
         with engine.begin() as conn:
-            worker_runs.mark_dead_lettered(
+            attempts.mark_dead_lettered(
                 conn, env.run_id, receive_count=1, worker_id="test-worker", dlq=dlq_url.rsplit("/", 1)[-1]
             )
         found[env.run_id] = message
@@ -582,8 +582,8 @@ def test_a_purged_outbox_row_is_recreated_from_the_dlq_envelope(
     relay: Relay,
     waker: Waker,
 ) -> None:
-    tenant_run = dispatch(app, "audit", {"n": 1}, tenant_id=6)
-    platform_run = dispatch(app, "rebuild_cache", {"n": 2})
+    tenant_run = dispatch(app, "audit", {"n": 1}, tenant_id=6, priority=7)
+    platform_run = dispatch(app, "rebuild_cache", {"n": 2}, priority=1)
     relay.run_once()
     fail_into_dlq(engine, sqs, ops_settings, "default", {tenant_run})
     fail_into_dlq(engine, sqs, ops_settings, "maintenance", {platform_run})
@@ -615,7 +615,17 @@ def test_a_purged_outbox_row_is_recreated_from_the_dlq_envelope(
         )
     with engine.connect() as conn:
         tenant = conn.execute(sa.text("SELECT tenant_id FROM outbox_messages")).scalar_one()
+        priorities = dict(
+            conn.execute(
+                sa.text(
+                    "SELECT run_id, priority FROM outbox_messages UNION ALL "
+                    "SELECT run_id, priority FROM platform_outbox_messages"
+                )
+            ).all()
+        )
     assert tenant == 6
+    # an operator's requeue goes out at the manual priority (2), or the run's own if higher
+    assert priorities == {tenant_run: 2, platform_run: 1}
     assert relay.run_once().sent == 2
 
 
@@ -770,9 +780,9 @@ def test_a_late_dead_letter_record_only_marks_a_run_that_is_still_failed(
     """Regression: the DLQ send finishes after the run moved on (requeued by an operator, or
     finished by another copy). Recording the DLQ then must not mark that run dead-lettered."""
 
-    def lease(run_id: uuid.UUID) -> worker_runs.Attempt:
+    def lease(run_id: uuid.UUID) -> attempts.Attempt:
         with engine.begin() as conn:
-            claim = worker_runs.take_lease(
+            claim = attempts.take_lease(
                 conn,
                 run_id=run_id,
                 task="audit",
@@ -781,11 +791,11 @@ def test_a_late_dead_letter_record_only_marks_a_run_that_is_still_failed(
                 lease_seconds=60,
                 receive_count=1,
             )
-        return worker_runs.Attempt(run_id, claim.attempt, 1, "w")
+        return attempts.Attempt(run_id, claim.attempt, 1, "w")
 
     def record_dlq(run_id: uuid.UUID) -> None:
         with engine.begin() as conn:
-            worker_runs.mark_dead_lettered(conn, run_id, receive_count=1, worker_id="w", dlq="x-default-dlq")
+            attempts.mark_dead_lettered(conn, run_id, receive_count=1, worker_id="w", dlq="x-default-dlq")
 
     def dead_letter_trail(run_id: uuid.UUID) -> list[Any]:
         return [row for row in trail(engine, run_id) if (row.detail or {}).get("dead_lettered")]
@@ -798,15 +808,15 @@ def test_a_late_dead_letter_record_only_marks_a_run_that_is_still_failed(
     succeeded = dispatch(app, "audit", {})
     attempt = lease(succeeded)
     with engine.begin() as conn:
-        assert worker_runs.mark_succeeded(conn, attempt)
+        assert attempts.mark_succeeded(conn, attempt)
     record_dlq(succeeded)
     assert run_row(engine, succeeded).dead_lettered_at is None and dead_letter_trail(succeeded) == []
 
     failed = dispatch(app, "audit", {})
     attempt = lease(failed)
     with engine.begin() as conn:
-        failure = worker_runs.Failure("ValueError", "bad", None)
-        assert worker_runs.mark_failed(conn, attempt, failure, reason="x")
+        failure = attempts.Failure("ValueError", "bad", None)
+        assert attempts.mark_failed(conn, attempt, failure, reason="x")
     record_dlq(failed)
     record_dlq(failed)  # a second record of the same DLQ send adds nothing
     assert run_row(engine, failed).dead_lettered_at is not None

@@ -21,10 +21,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_outbox import Dispatch, envelope, presence
 from sqla_outbox.config import OutboxSettings
+from sqla_outbox.lifecycle import attempts
+from sqla_outbox.lifecycle.deferral import DeferStatus, defer_run
 from sqla_outbox.ops import status
 from sqla_outbox.relay import Relay
-from sqla_outbox.worker import runs
-from sqla_outbox.worker.deferral import DeferStatus, defer_run
 from tests.support import outbox_rows, receive_all, run_row, trail
 
 
@@ -66,8 +66,8 @@ def defer(engine: sa.Engine, env: envelope.Envelope, **overrides: Any) -> Any:
         return defer_run(connection, **{**arguments, **overrides})
 
 
-def lease(conn: Any, run_id: uuid.UUID, task: str, tenant_id: int | None, worker: str) -> runs.Claim:
-    return runs.take_lease(
+def lease(conn: Any, run_id: uuid.UUID, task: str, tenant_id: int | None, worker: str) -> attempts.Claim:
+    return attempts.take_lease(
         conn,
         run_id=run_id,
         task=task,
@@ -132,6 +132,23 @@ def test_a_purged_outbox_row_is_put_back_from_the_received_envelope(
     assert row.envelope == json.loads(env.encode())
 
 
+@pytest.mark.parametrize("priority", [1, 8])
+def test_a_purged_outbox_row_put_back_keeps_the_runs_priority(
+    app: sessionmaker[Session], engine: sa.Engine, priority: int
+) -> None:
+    """The re-written row takes its priority from the run (task_runs.priority), not the
+    column's default: a priority-8 run deferred after the purge must not jump the queue, nor
+    a priority-1 run fall behind."""
+    run_id = dispatch(app, "send_welcome", tenant_id=3, priority=priority)
+    assert run_row(engine, run_id).priority == priority
+    env = received_document(engine, run_id)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM outbox_messages"))
+    assert defer(engine, env).status is DeferStatus.DEFERRED
+    [row] = outbox_rows(engine)
+    assert (row.run_id, row.priority, row.queue) == (run_id, priority, env.queue)
+
+
 def test_a_deferral_never_makes_a_delayed_run_due_earlier(
     app: sessionmaker[Session], engine: sa.Engine
 ) -> None:
@@ -158,16 +175,16 @@ def test_runs_that_are_not_ours_or_not_waiting_are_not_deferred(
     run_id = dispatch(app, "send_welcome", tenant_id=3)
     env = received_document(engine, run_id)
     forged = envelope.Envelope(run_id, env.task, env.queue, env.tenant_id, '{"n":666}')
-    assert defer(engine, forged, document=forged.encode()).claim.status is runs.ClaimStatus.MISMATCH
-    assert defer(engine, env, task="audit").claim.status is runs.ClaimStatus.MISMATCH
-    assert defer(engine, env, run_id=uuid.uuid4()).claim.status is runs.ClaimStatus.NOT_FOUND
+    assert defer(engine, forged, document=forged.encode()).claim.status is attempts.ClaimStatus.MISMATCH
+    assert defer(engine, env, task="audit").claim.status is attempts.ClaimStatus.MISMATCH
+    assert defer(engine, env, run_id=uuid.uuid4()).claim.status is attempts.ClaimStatus.NOT_FOUND
     with engine.begin() as conn:  # another worker is running it
         claim = lease(conn, run_id, env.task, 3, "new")
     leased = defer(engine, env).claim
-    assert leased.status is runs.ClaimStatus.LEASED and leased.lease_remaining_seconds > 50
+    assert leased.status is attempts.ClaimStatus.LEASED and leased.lease_remaining_seconds > 50
     with engine.begin() as conn:
-        runs.mark_succeeded(conn, runs.Attempt(run_id, claim.attempt, 1, "new"))
-    assert defer(engine, env).claim.status is runs.ClaimStatus.SUCCEEDED
+        attempts.mark_succeeded(conn, attempts.Attempt(run_id, claim.attempt, 1, "new"))
+    assert defer(engine, env).claim.status is attempts.ClaimStatus.SUCCEEDED
     assert [t.status for t in trail(engine, run_id)] == ["running", "succeeded"]
 
 

@@ -543,14 +543,26 @@ def test_tasks_limits_what_runs(app: sessionmaker[Session], engine: sa.Engine, r
     testing.assert_dispatched(engine, "send_welcome", status="queued")
 
 
-def test_a_task_without_handler_fails_like_in_the_worker(app: sessionmaker[Session], engine: sa.Engine):
+def test_a_task_without_handler_waits_like_in_the_worker(app: sessionmaker[Session], engine: sa.Engine):
+    """A worker without the handler hands the run back to the outbox, unleased, for a worker
+    that has it: inline, the run stays queued with its row pending, and the report says so."""
     with app.begin() as session:
         session.add(Dispatch("send_welcome", {"user_id": 1}))
-    [outcome] = testing.run_pending(app, registry=Registry()).runs
-    assert (outcome.status, outcome.reason) == ("failed", "unknown-task")
-    assert (
-        outcome.error is not None and "no handler registered for task 'send_welcome'" in outcome.error.message
+    report = testing.run_pending(app, registry=Registry())
+    [outcome] = report.runs
+    assert (outcome.status, outcome.skipped, outcome.attempts, outcome.reason) == (
+        "queued",
+        "no-handler",
+        0,
+        None,
     )
+    [run] = testing.assert_dispatched(engine, "send_welcome", status="queued")
+    assert _trail_statuses(engine, run.run_id) == []  # no lease taken, nothing spent
+    with engine.connect() as conn:
+        pending = conn.execute(sa.text("SELECT count(*) FROM platform_outbox_messages WHERE sent_at IS NULL"))
+        assert pending.scalar_one() == 1
+    with pytest.raises(AssertionError, match=r"send_welcome .*: queued \(not executed: no-handler\)"):
+        report.assert_all_succeeded()
 
 
 def test_endless_follow_ups_stop_at_max_rounds(app: sessionmaker[Session], engine: sa.Engine):
@@ -686,7 +698,7 @@ def test_the_plugin_is_found_through_its_entry_point(plugin_project: Path, datab
 def test_the_plugin_module_imports_neither_helpers_nor_boto3():
     probe = (
         "import sys, sqla_outbox.pytest_plugin; "
-        "watched = ('boto3', 'sqla_outbox.testing', 'sqla_outbox.worker.runs'); "
+        "watched = ('boto3', 'sqla_outbox.testing', 'sqla_outbox.lifecycle.attempts'); "
         "print(sorted(m for m in watched if m in sys.modules))"
     )
     result = subprocess.run(

@@ -203,12 +203,14 @@ def test_a_4xx_fails_permanently(
 @pytest.mark.parametrize(
     ("reply", "retry_after", "backoff"),
     [
-        # inline, the trail records the Retry-After as the delay (0 s without one); that a
-        # worker waits the longer of it and the task's backoff: tests/unit/test_backoff_policy.py
-        (Reply(429, headers={"retry-after": "7"}), 7.0, 7.0),
-        (Reply(503, headers={"retry-after": "120"}), 120.0, 120.0),
-        (Reply(429), None, 0.0),
-        (Reply(503, headers={"retry-after": "999999"}), 43_200.0 - 900, 43_200.0 - 900),  # within 12 h
+        # the trail records the delay the worker waits (the inline runner runs the next try at
+        # once): the longer of the Retry-After and the task's backoff (worker_backoff_base_seconds
+        # 5 s on the first try, drawn within [2.5, 5])
+        (Reply(429, headers={"retry-after": "7"}), 7.0, (7.0, 7.0)),
+        (Reply(503, headers={"retry-after": "120"}), 120.0, (120.0, 120.0)),
+        (Reply(429), None, (2.5, 5.0)),
+        (Reply(429, headers={"retry-after": "1"}), 1.0, (2.5, 5.0)),  # shorter: the backoff wins
+        (Reply(503, headers={"retry-after": "999999"}), 43_200.0 - 900, (42_300.0, 42_300.0)),  # within 12 h
     ],
 )
 def test_429_and_5xx_are_transient_and_retry_after_only_lengthens_the_backoff(
@@ -219,7 +221,7 @@ def test_429_and_5xx_are_transient_and_retry_after_only_lengthens_the_backoff(
     registry: Registry,
     reply: Reply,
     retry_after: float | None,
-    backoff: float,
+    backoff: tuple[float, float],
 ) -> None:
     endpoint(app, receiver.url(), events=["invoice.sent"])
     [run_id] = publish(app).values()
@@ -229,7 +231,7 @@ def test_429_and_5xx_are_transient_and_retry_after_only_lengthens_the_backoff(
     assert step.error_type == "sqla_outbox.errors.WebhookFailed"  # not errors.Retry
     reason = "rate-limited" if reply.status == 429 else "server-error"
     assert step.error_message.startswith(f"{reason}: the receiver answered {reply.status}")
-    assert step.detail["backoff_seconds"] == backoff
+    assert backoff[0] <= step.detail["backoff_seconds"] <= backoff[1]
     assert step.detail["webhook"].get("retry_after_seconds") == retry_after
 
 

@@ -55,7 +55,7 @@ def test_every_contract_is_kept() -> None:
         # a cycle: the foundation reaching up into the commands
         ("errors.py", "from sqla_outbox.cli import options as _cycle", "No import cycles anywhere"),
         # the application side reaching into worker code
-        ("write.py", "from sqla_outbox.worker import runs as _worker", "never imports relay or worker"),
+        ("write.py", "from sqla_outbox.worker import handle as _worker", "never imports relay or worker"),
         # Valkey outside the wake module
         ("relay/claim.py", "import redis as _redis", "Only the wake module"),
         # a terminal library below the commands

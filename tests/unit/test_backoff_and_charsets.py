@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sqla_outbox import backoff, charsets
-from sqla_outbox.worker.outcome import backoff_seconds
+from sqla_outbox.lifecycle import retry
 
 STREAKS = st.integers(min_value=0, max_value=1_000_000)
 
@@ -28,7 +28,7 @@ def test_relay_backoff_is_finite_and_capped_for_any_streak(attempts: int, base: 
 def test_worker_backoff_is_finite_jittered_and_capped_for_any_receive_count(
     receive_count: int, seed: int
 ) -> None:
-    delay = backoff_seconds(receive_count, base=5, cap=900, rng=random.Random(seed))
+    delay = retry.handler_backoff(receive_count, retry.RetryRules(5, 5, 900), rng=random.Random(seed))
     nominal = min(900, 5 * 2 ** max(0, min(receive_count - 1, backoff.MAX_EXPONENT)))
     assert nominal / 2 <= delay <= nominal
 

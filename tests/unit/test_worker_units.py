@@ -9,9 +9,9 @@ import random
 import pytest
 
 from sqla_outbox import errors
+from sqla_outbox.lifecycle import retry
 from sqla_outbox.worker.consumer import visibility_ends_by
 from sqla_outbox.worker.flight import InFlight
-from sqla_outbox.worker.outcome import backoff_seconds
 from sqla_outbox.worker.receive import SlotPool
 from sqla_outbox.worker.registry import Registry, RetryPolicy
 
@@ -75,7 +75,7 @@ def test_cancelled_waiter_gives_its_grant_back() -> None:
 def test_backoff_is_exponential_jittered_and_capped(receive_count: int) -> None:
     rng = random.Random(7)
     for _ in range(50):
-        value = backoff_seconds(receive_count, base=5, cap=900, rng=rng)
+        value = retry.handler_backoff(receive_count, retry.RetryRules(5, 5, 900), rng=rng)
         ceiling = min(900, 5 * 2 ** (receive_count - 1))
         assert ceiling / 2 <= value <= ceiling
 
@@ -89,11 +89,10 @@ def test_backoff_stays_inside_the_sqs_12_hour_visibility_limit() -> None:
     assert flight.hideable_seconds(43_200, now=now) == pytest.approx(140)
     assert flight.hideable_seconds(30, now=now) == 30
     assert flight.hideable_seconds(43_200, now=now + 500) == 0
-    value = backoff_seconds(
+    value = retry.handler_backoff(
         20,
-        base=60,
-        cap=43_200,
-        allowed_seconds=flight.hideable_seconds(43_200, now=now),
+        retry.RetryRules(5, 60, 43_200),
+        ceiling=flight.hideable_seconds(43_200, now=now),
         rng=random.Random(1),
     )
     assert 70 <= value <= 140

@@ -1,0 +1,120 @@
+"""The verdict on an attempt: succeeded, retry after N seconds, or failed for good.
+
+One pure function, :func:`decide`, turns what an attempt did (returned, or raised an
+exception, or ran out of time) into a :class:`Verdict`; the worker
+(:mod:`sqla_outbox.worker.handle`) and the inline test runner
+(:mod:`sqla_outbox.testing.inline`) both call it and apply the verdict with the statements
+of :mod:`sqla_outbox.lifecycle.attempts`, so an application's tests classify failures
+exactly as production does. The rules, in order:
+
+1. The handler returned → ``succeed``.
+2. :class:`~sqla_outbox.errors.PermanentError`, or a type the task lists in
+   ``@task(permanent=...)`` → ``fail`` with reason ``permanent-error`` (never retried).
+3. Anything else, :class:`~sqla_outbox.errors.Retry` and the attempt's own timeout
+   (:class:`~sqla_outbox.errors.AttemptTimeout`) included, is transient: on the run's last
+   try (:func:`~sqla_outbox.lifecycle.retry.exhausted`) → ``fail`` with reason
+   ``retries-exhausted``; otherwise → ``retry`` after
+   :func:`~sqla_outbox.lifecycle.retry.failure_delay` (the backoff; ``Retry``'s delay
+   replaces it; a webhook receiver's ``Retry-After`` lengthens it).
+
+Before an attempt starts, :func:`before_attempt` fails a delivery that was received more
+often than the run has tries (``receive-limit``).
+
+A verdict also says how the attempt counts for a circuit breaker
+(:attr:`Verdict.breaker_outcome`): a success closes, a transient failure counts against
+the integration, a permanent error (bad input) counts for nothing (ADR 0014).
+
+What does not come from a handler's outcome is not decided here: a committed ``Cancel``
+(the run ends ``cancelled``) and a lost lease (the runner reconciles with the run's
+current status).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import random
+
+from sqla_outbox import errors
+from sqla_outbox.lifecycle import retry
+from sqla_outbox.types import SQS_MAX_VISIBILITY_SECONDS
+
+
+class Kind(enum.StrEnum):
+    """What the verdict does to the run."""
+
+    SUCCEED = "succeed"  # running → succeeded
+    RETRY = "retry"  # running → retrying, next try after delay_seconds
+    FAIL = "fail"  # running → failed, message to the DLQ
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The decision on one attempt.
+
+    Attributes:
+        kind: :class:`Kind`.
+        reason: For FAIL: ``permanent-error``, ``retries-exhausted`` or ``receive-limit``
+            (recorded in the trail's ``detail.reason`` and the DLQ message's ``reason``).
+        delay_seconds: For RETRY: seconds until the next try (0..43,200).
+        breaker_outcome: ``success``, ``failure``, ``neutral`` or ``refund`` (the attempt
+            never ran: its admission is given back) for the task's breaker.
+        error: The exception the attempt raised (None on success).
+    """
+
+    kind: Kind
+    reason: str | None = None
+    delay_seconds: float = 0.0
+    breaker_outcome: str = "success"
+    error: BaseException | None = None
+
+
+def decide(
+    error: BaseException | None,
+    rules: retry.RetryRules,
+    *,
+    receive_count: int,
+    attempt: int,
+    ceiling_seconds: float = SQS_MAX_VISIBILITY_SECONDS,
+    rng: random.Random | None = None,
+) -> Verdict:
+    """The verdict on an attempt that returned (``error`` None) or raised ``error``.
+
+    Args:
+        error: What the handler raised; :class:`~sqla_outbox.errors.AttemptTimeout` when
+            the attempt's own timeout fired.
+        rules: The task's :class:`~sqla_outbox.lifecycle.retry.RetryRules`.
+        receive_count: SQS ``ApproximateReceiveCount`` of the delivery (1 for the first).
+        attempt: The run's attempt number (``task_runs.attempts`` after the lease).
+        ceiling_seconds: The longest delay the caller can give the next try (the worker:
+            what SQS still allows the message to stay hidden).
+        rng: Random source for the backoff's jitter (tests pass a seeded one).
+
+    Returns:
+        The :class:`Verdict`.
+    """
+    if error is None:
+        return Verdict(Kind.SUCCEED)
+    if rules.is_permanent(error):
+        return Verdict(Kind.FAIL, reason="permanent-error", breaker_outcome="neutral", error=error)
+    spent = retry.tries_spent(receive_count, attempt)
+    if retry.exhausted(spent, rules):
+        return Verdict(Kind.FAIL, reason="retries-exhausted", breaker_outcome="failure", error=error)
+    requested = error.delay_seconds if isinstance(error, errors.Retry) else None
+    at_least = error.retry_after_seconds if isinstance(error, errors.WebhookFailed) else None
+    delay = retry.failure_delay(
+        spent, rules, requested=requested, at_least=at_least, ceiling=ceiling_seconds, rng=rng
+    )
+    return Verdict(Kind.RETRY, delay_seconds=delay, breaker_outcome="failure", error=error)
+
+
+def before_attempt(receive_count: int, rules: retry.RetryRules) -> Verdict | None:
+    """A FAIL verdict (``receive-limit``) for a delivery received more often than the run
+    has tries, before its handler is called; None when the attempt may run."""
+    if not retry.receive_limit_passed(receive_count, rules):
+        return None
+    error = errors.PermanentError(
+        f"delivered {receive_count} times without a verdict (limit {rules.max_receives}); "
+        "earlier attempts were lost (worker crash or kill)"
+    )
+    return Verdict(Kind.FAIL, reason="receive-limit", breaker_outcome="refund", error=error)
