@@ -216,7 +216,12 @@ class TaskRun(Base):
             (partial unique indexes ``task_runs_idempotency_*_key``).
         attempts: Handler executions started (the worker increments it when it takes the
             run's lease).
-        available_at: When the run became (or becomes) due, database clock.
+        available_at: When the run may run (next), database clock: its due time at
+            dispatch (or a ``Reschedule``, a requeue), and for a ``retrying`` run the
+            next try's time (``running → retrying`` sets it from the backoff). A copy of
+            the run received earlier is an early copy, never run. Holds and deferrals
+            leave it alone: they move the outbox row's ``available_at`` only, and the
+            worker checks their rule again for every copy it receives.
         created_at / updated_at / started_at / finished_at: Life-cycle timestamps.
         lease_owner / lease_expires_at: The worker executing the run and until when its
             lease holds; renewed by the heartbeat. Another worker may take the run over

@@ -18,6 +18,7 @@ import dataclasses
 import datetime as dt
 import enum
 import json
+import math
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,9 @@ from sqla_outbox import charsets
 from sqla_outbox.lifecycle import columns
 
 TRACEBACK_CHARS = 4000
+RETRY_DUE_TOLERANCE_SECONDS = 1.0
+"""A retrying run is due this much before its message's visibility ends (see
+:func:`mark_retrying`): the message must find the run due, or its receive is spent."""
 MESSAGE_CHARS = 2000
 
 
@@ -272,6 +276,7 @@ RETURNING 1
         bindparam("traceback", type_=Text),
         bindparam("detail", type_=Text),
         bindparam("result", type_=Text),
+        bindparam("backoff", type_=Float),
     ]
     return text(sql).bindparams(*(b for b in binds if f":{b.key}" in sql))
 
@@ -279,7 +284,11 @@ RETURNING 1
 _ERROR_SET = ", last_error_type = :error_type, last_error = :error_message"
 _SUCCEED = _transition("succeeded", ", finished_at = clock_timestamp(), result = CAST(:result AS jsonb)")
 _CANCEL = _transition("cancelled", ", finished_at = clock_timestamp()", cancel_requested=True)
-_RETRY = _transition("retrying", _ERROR_SET)
+# the next try's time: a copy of the run that arrives before it is an early copy (take_lease
+# answers NOT_DUE), whoever sent it; the run's own message comes back after the same delay
+_RETRY = _transition(
+    "retrying", _ERROR_SET + ", available_at = clock_timestamp() + make_interval(secs => :backoff)"
+)
 _FAIL = _transition("failed", ", finished_at = clock_timestamp()" + _ERROR_SET)
 _REQUEUE = _transition("queued", "")
 
@@ -392,11 +401,22 @@ def mark_retrying(
 ) -> bool:
     """``running → retrying`` with the error; False when the attempt no longer holds the run.
 
+    The run's ``available_at`` becomes when it may run next (database clock): now plus the
+    backoff in whole seconds (SQS ChangeMessageVisibility takes whole seconds; the worker
+    rounds, and asks only after this commits), less :data:`RETRY_DUE_TOLERANCE_SECONDS`, so
+    the run's own message, hidden for that long, never comes back before it. Any copy
+    received earlier is an early copy (:func:`take_lease` answers NOT_DUE), whoever sent
+    it: a replayed, validly signed copy of a retrying run waits for the backoff too.
+
     Args:
+        backoff_seconds: Seconds until the next try, >= 0 (the verdict's delay: the
+            backoff, a ``Retry(delay_seconds)``, a receiver's ``Retry-After``).
         detail: The handler's ``ctx.trail_detail``; ``backoff_seconds`` wins over its key.
     """
     merged = {**(detail or {}), "backoff_seconds": round(backoff_seconds, 3)}
-    return connection.execute(_RETRY, _params(attempt, failure, merged)).first() is not None
+    params = _params(attempt, failure, merged)
+    params["backoff"] = max(math.floor(backoff_seconds) - RETRY_DUE_TOLERANCE_SECONDS, 0.0)
+    return connection.execute(_RETRY, params).first() is not None
 
 
 def mark_failed(
