@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from sqlalchemy import exc as sqlalchemy_exc
 from sqlalchemy.engine import make_url
 
-from sqla_outbox import errors, settings_schema
+from sqla_outbox import destinations, errors, settings_schema
 from sqla_outbox.settings_schema import setting
 from sqla_outbox.types import QUEUE_NAMES, VISIBILITY_TIMEOUT_SECONDS, is_queue_name
 from sqla_outbox.urls import MASK as MASK
@@ -584,19 +584,67 @@ class OutboxSettings:
     webhook_allowed_hosts: tuple[str, ...] = setting(
         (),
         "Webhook destinations let through the SSRF guard although they are not public "
-        "addresses, comma-separated: host names as written in endpoint URLs (`localhost`, "
-        "`hooks.internal`) or IP addresses and networks (`127.0.0.1`, `10.1.2.0/24`). For "
-        "tests and internal receivers. Empty: deliveries reach public addresses only.",
-        pattern=r"[A-Za-z0-9._:/-]{1,253}",
-        shape="a host name, IP address or network",
+        "addresses, comma-separated, each with its port or port range and, optionally, the "
+        "tenants it is for: `hooks.internal:443` (a host name as written in endpoint URLs), "
+        "`127.0.0.1:8850` or `10.1.2.0/24:8000-8099` (addresses and networks, matched against "
+        "what the name resolves to), `[fd00::1]:443` (IPv6 in brackets), "
+        "`3+7@hooks.internal:443` (only for deliveries of tenants 3 and 7). An entry admits "
+        "its host on its ports and no other, and the answers of an allowed destination are "
+        "not kept in the trail (`webhook_response_excerpt`). For tests and internal receivers. "
+        "Empty: deliveries reach public addresses only.",
+        shape=destinations.ENTRY_SHAPE,
+        check=destinations.allow_entries_problem,
+    )
+    webhook_public_ports: tuple[str, ...] = setting(
+        ("80", "443", "8080", "8443"),
+        "Ports a delivery may connect to on a public address (ports or ranges, "
+        "comma-separated: `443,8000-8099`). A receiver URL on another port is refused "
+        "(`destination-refused`) unless an allow-list entry names it.",
+        shape="a port (443) or a range (8000-8099), 1..65535",
+        check=destinations.ports_problem,
+    )
+    webhook_response_excerpt: str = setting(
+        "public",
+        "What the delivery trail keeps of a receiver's answer besides its status and latency "
+        "(its content type and first 512 bytes): `public`: for destinations reached as public "
+        "addresses only, never for one let through by `webhook_allowed_hosts` (an internal "
+        "service's answer stays out of the tenant's trail); `never`: for no destination; "
+        "`always`: for every destination, allow-listed ones included (only when every "
+        "allow-listed destination is a receiver of yours whose answers tenants may read).",
+        choices=("public", "never", "always"),
+    )
+    webhook_proxy_url: str | None = setting(
+        None,
+        "HTTP proxy every webhook delivery goes through (`http://proxy.internal:3128`; "
+        "`https://...` for a TLS connection to the proxy), for networks whose egress passes "
+        "through one. The SSRF guard still resolves and checks each destination, and the proxy "
+        "is asked for the checked address (CONNECT `address:port` for https, SNI and `Host` "
+        "keeping the name), so a name the proxy would resolve differently is never used. "
+        "Proxy variables of the environment (`HTTPS_PROXY`, ...) are ignored, set or not. "
+        "Unset: deliveries connect directly.",
+        shape="an http://host:port or https://host:port URL",
+        check=destinations.proxy_url_problem,
     )
     webhook_timeout_seconds: float = setting(
         15.0,
-        "Per-attempt limit of a webhook delivery: connecting, sending and waiting for the "
-        "response each get at most this long (Standard Webhooks recommends 15 to 30 s).",
+        "Total deadline of one webhook delivery attempt: connecting, TLS, sending the request "
+        "and reading the answer together, against the wall clock (a receiver that trickles its "
+        "answer a byte at a time is cut off when it passes). The attempt then fails transiently "
+        "(`timeout`) and its worker slot and thread are free. Standard Webhooks recommends a "
+        "short timeout (15 to 30 s). Name resolution comes first, bounded by the system "
+        "resolver's own timeout.",
         unit="s",
         above=0,
         maximum=300,
+    )
+    webhook_tenant_slot_share: float = setting(
+        0.5,
+        "Largest share of a worker's slots (`worker_concurrency`) one tenant's webhook deliveries "
+        "may hold at once (at least one slot): a tenant whose receivers are slow cannot hold "
+        "the slots other tenants' runs need. A delivery over it is handed back to the outbox "
+        "and tried again shortly (`tenant-share` in the trail; no attempt spent). 1: no cap.",
+        above=0,
+        maximum=1,
     )
 
     # --- dashboard -----------------------------------------------------------------------

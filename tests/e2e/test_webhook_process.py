@@ -58,7 +58,7 @@ def test_a_published_event_is_delivered_signed_retried_and_refused_by_real_proce
             settings,
             sqs_endpoint,
             imports="tests.e2e.webhook_tasks",
-            SQLA_OUTBOX_WEBHOOK_ALLOWED_HOSTS="127.0.0.1",
+            SQLA_OUTBOX_WEBHOOK_ALLOWED_HOSTS=f"127.0.0.1:{receiver.port}",
             SQLA_OUTBOX_WEBHOOK_TIMEOUT_SECONDS="5",
         ),
     ]
