@@ -56,8 +56,13 @@ def exponential_seconds(exponent: int, *, base: float, cap: float) -> float:
     return float(min(cap, base * float(2**step)))
 
 
+def equal_jitter_bounds(seconds: float) -> tuple[float, float]:
+    """Equal jitter's range for a nominal delay: between half and all of ``seconds`` (>= 0)."""
+    return seconds / 2, seconds
+
+
 def equal_jitter(seconds: float, rng: random.Random | None = None) -> float:
-    """A delay drawn uniformly between half and all of ``seconds`` (equal jitter).
+    """A delay drawn uniformly within :func:`equal_jitter_bounds` (equal jitter).
 
     Args:
         seconds: The nominal delay (>= 0).
@@ -66,9 +71,10 @@ def equal_jitter(seconds: float, rng: random.Random | None = None) -> float:
     Returns:
         Seconds within ``[seconds / 2, seconds]``.
     """
+    low, high = equal_jitter_bounds(seconds)
     if rng is not None:
-        return rng.uniform(seconds / 2, seconds)
-    return random.uniform(seconds / 2, seconds)  # noqa: S311 - jitter, not a secret
+        return rng.uniform(low, high)
+    return random.uniform(low, high)  # noqa: S311 - jitter, not a secret
 
 
 class Doubling:

@@ -44,6 +44,7 @@ is a known task; errors name the file and the JSON path of the bad entry.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -51,7 +52,8 @@ from typing import Any, Literal
 
 import jsonschema
 
-from sqla_outbox import errors, types
+from sqla_outbox import errors, queues, types
+from sqla_outbox.queues import QueueRegistry
 from sqla_outbox.types import PRIORITY_MAX, PRIORITY_MIN, QUEUE_NAME_PATTERN, QUEUE_NAMES
 
 CATALOG_VERSION = 1
@@ -148,45 +150,11 @@ SCHEMA: dict[str, Any] = {
 }
 
 
-DEFAULT_QUEUE_VISIBILITY_SECONDS = 120
+DEFAULT_QUEUE_VISIBILITY_SECONDS = queues.DECLARED_VISIBILITY_SECONDS
 """Visibility timeout of a declared queue that gives none (the ``default`` queue's)."""
 
-
-@dataclasses.dataclass(frozen=True)
-class QueueSpec:
-    """A queue the application declares besides the four defaults.
-
-    Attributes:
-        name: Logical name (``types.QUEUE_NAME_PATTERN``); SQS names ``<prefix><name>`` and
-            ``<prefix><name>-dlq``.
-        visibility_timeout_seconds: Visibility timeout ``provision`` gives it, 0..43200 s
-            (SQS VisibilityTimeout); the setting ``queue_visibility_timeouts`` overrides it.
-        message_retention_seconds: MessageRetentionPeriod, 60..1209600 s; None: the
-            setting ``sqs_message_retention_seconds``.
-        max_receive_count: Redrive policy maxReceiveCount, 1..1000; None: the setting
-            ``max_receive_count``.
-        weight: Share of a worker's handler slots when queues are backed up, relative to
-            critical 8, default 4, bulk 2, maintenance 1.
-        description: Free text for humans.
-    """
-
-    name: str
-    visibility_timeout_seconds: int = DEFAULT_QUEUE_VISIBILITY_SECONDS
-    message_retention_seconds: int | None = None
-    max_receive_count: int | None = None
-    weight: int = 1
-    description: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"visibility_timeout_seconds": self.visibility_timeout_seconds}
-        if self.message_retention_seconds is not None:
-            out["message_retention_seconds"] = self.message_retention_seconds
-        if self.max_receive_count is not None:
-            out["max_receive_count"] = self.max_receive_count
-        out["weight"] = self.weight
-        if self.description:
-            out["description"] = self.description
-        return out
+QueueSpec = queues.Queue
+"""A queue the catalog declares (:class:`sqla_outbox.queues.Queue`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,21 +293,9 @@ class Catalog:
             )
             for name, spec in data["tasks"].items()
         }
-        queues = {
-            name: QueueSpec(
-                name=name,
-                visibility_timeout_seconds=spec.get(
-                    "visibility_timeout_seconds", DEFAULT_QUEUE_VISIBILITY_SECONDS
-                ),
-                message_retention_seconds=spec.get("message_retention_seconds"),
-                max_receive_count=spec.get("max_receive_count"),
-                weight=spec.get("weight", 1),
-                description=spec.get("description"),
-            )
-            for name, spec in data.get("queues", {}).items()
-        }
+        declared = {name: queues.Queue.from_dict(name, spec) for name, spec in data.get("queues", {}).items()}
         for name, task in tasks.items():
-            if task.queue not in QUEUE_NAMES and task.queue not in queues:
+            if task.queue not in QUEUE_NAMES and task.queue not in declared:
                 raise errors.CatalogError(
                     f"queue {task.queue!r} is neither one of {', '.join(QUEUE_NAMES)} nor declared "
                     "under 'queues'",
@@ -382,7 +338,7 @@ class Catalog:
                     path=source,
                     pointer=f"tasks.{name}.schedule.tenants",
                 )
-        return cls(tasks=tasks, events=events, source=source, queues=queues)
+        return cls(tasks=tasks, events=events, source=source, queues=declared)
 
     @classmethod
     def build(
@@ -415,20 +371,21 @@ class Catalog:
             where = f" ({self.source})" if self.source else ""
             raise errors.UnknownTask(name, f"not in the task catalog{where}") from None
 
+    @functools.cached_property
+    def queue_registry(self) -> QueueRegistry:
+        """Every queue this catalog knows: the built-in ones, then the declared ones
+        (:class:`sqla_outbox.queues.QueueRegistry`)."""
+        return QueueRegistry(self.queues.values())
+
     def queue_names(self) -> tuple[str, ...]:
         """The four default queues, then the declared ones in catalog order."""
-        return QUEUE_NAMES + tuple(self.queues)
+        return self.queue_registry.names
 
     def check_queue(self, queue: str, *, task: str) -> None:
         """Raise :class:`~sqla_outbox.errors.UnknownQueue` (naming ``task``) unless ``queue``
         is a default or declared queue."""
-        if queue not in QUEUE_NAMES and queue not in self.queues:
-            where = f" ({self.source})" if self.source else ""
-            raise errors.UnknownQueue(
-                task,
-                f"unknown queue {queue!r}; expected one of {', '.join(self.queue_names())} "
-                f"(declare more under 'queues' in the task catalog{where})",
-            )
+        if queue not in self.queue_registry:
+            self.queue_registry.check(queue, task=task, where=f" ({self.source})" if self.source else "")
 
     def subscribers(self, event: str) -> tuple[str, ...]:
         """Return the subscriber tasks of ``event`` (possibly empty).

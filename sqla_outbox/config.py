@@ -27,9 +27,9 @@ from urllib.parse import urlsplit
 from sqlalchemy import exc as sqlalchemy_exc
 from sqlalchemy.engine import make_url
 
-from sqla_outbox import destinations, errors, settings_schema
+from sqla_outbox import destinations, errors, queues, settings_schema
 from sqla_outbox.settings_schema import setting
-from sqla_outbox.types import QUEUE_NAMES, VISIBILITY_TIMEOUT_SECONDS, is_queue_name
+from sqla_outbox.types import QUEUE_NAMES, is_queue_name
 from sqla_outbox.urls import MASK as MASK
 from sqla_outbox.urls import redact_text as redact_text
 from sqla_outbox.urls import redact_url as redact_url
@@ -280,7 +280,7 @@ class OutboxSettings:
         source="SQS MessageRetentionPeriod",
     )
     visibility_timeout_critical_seconds: int = setting(
-        VISIBILITY_TIMEOUT_SECONDS["critical"],
+        queues.BUILTIN_BY_NAME["critical"].visibility_timeout_seconds,
         "Visibility timeout of the critical queue (applied by `provision`).",
         unit="s",
         minimum=0,
@@ -288,7 +288,7 @@ class OutboxSettings:
         source="SQS VisibilityTimeout",
     )
     visibility_timeout_default_seconds: int = setting(
-        VISIBILITY_TIMEOUT_SECONDS["default"],
+        queues.BUILTIN_BY_NAME["default"].visibility_timeout_seconds,
         "Visibility timeout of the default queue (applied by `provision`).",
         unit="s",
         minimum=0,
@@ -296,7 +296,7 @@ class OutboxSettings:
         source="SQS VisibilityTimeout",
     )
     visibility_timeout_bulk_seconds: int = setting(
-        VISIBILITY_TIMEOUT_SECONDS["bulk"],
+        queues.BUILTIN_BY_NAME["bulk"].visibility_timeout_seconds,
         "Visibility timeout of the bulk queue (applied by `provision`).",
         unit="s",
         minimum=0,
@@ -304,7 +304,7 @@ class OutboxSettings:
         source="SQS VisibilityTimeout",
     )
     visibility_timeout_maintenance_seconds: int = setting(
-        VISIBILITY_TIMEOUT_SECONDS["maintenance"],
+        queues.BUILTIN_BY_NAME["maintenance"].visibility_timeout_seconds,
         "Visibility timeout of the maintenance queue (applied by `provision`).",
         unit="s",
         minimum=0,
@@ -816,15 +816,12 @@ class OutboxSettings:
 
         Precedence: ``queue_visibility_timeouts`` > ``visibility_timeout_<queue>_seconds``
         (the four default queues) > ``declared`` (the catalog's ``visibility_timeout_seconds``
-        of a declared queue) > 120 s.
+        of a declared queue) > 120 s (:func:`sqla_outbox.queues.visibility_timeout_seconds`).
         """
-        for entry in self.queue_visibility_timeouts:
-            name, _, seconds = entry.partition("=")
-            if name.strip() == queue:
-                return int(seconds)
-        if queue in QUEUE_NAMES:
-            return int(getattr(self, f"visibility_timeout_{queue}_seconds"))
-        return VISIBILITY_TIMEOUT_SECONDS["default"] if declared is None else declared
+        known = queues.BUILTIN_BY_NAME.get(queue) or queues.Queue(
+            queue, declared if declared is not None else queues.DECLARED_VISIBILITY_SECONDS
+        )
+        return queues.visibility_timeout_seconds(known, self)
 
     def dlq_url_name(self, queue: str) -> str:
         """SQS dead-letter queue name for a logical queue (``<prefix><queue>-dlq``)."""

@@ -72,14 +72,6 @@ SQS_MAX_VISIBILITY_SECONDS = 43_200
 """Largest visibility timeout SQS accepts, and the longest a received message can stay hidden
 in all, counted from its first receive: 12 hours (SQS ChangeMessageVisibility quota)."""
 
-VISIBILITY_TIMEOUT_SECONDS: dict[str, int] = {
-    "critical": 60,
-    "default": 120,
-    "bulk": 15 * 60,
-    "maintenance": 5 * 60,
-}
-"""Per-queue SQS visibility timeout in seconds, the default (docs/concepts.md, "Queues")."""
-
 
 class RunStatus(enum.StrEnum):
     """Life cycle of a ``task_runs`` row.

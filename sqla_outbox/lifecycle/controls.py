@@ -29,18 +29,41 @@ text is cached per shape.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import functools
 import json
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import BigInteger, DateTime, Interval, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
 
-from sqla_outbox.controls import Cancel, Control, ControlOutcome, Reschedule, RunControlResult, Selection
 from sqla_outbox.lifecycle import columns
 from sqla_outbox.types import FINISHED_STATUSES, WAKE_CHANNEL
+
+
+class RunSelection(Protocol):
+    """Which runs a control applies to (:class:`sqla_outbox.controls.Selection` is one):
+    by run ids; else by task, tenant, idempotency key (the unfinished run with it, else the
+    newest finished one) and statuses."""
+
+    @property
+    def run_ids(self) -> tuple[uuid.UUID, ...]: ...
+
+    @property
+    def task(self) -> str | None: ...
+
+    @property
+    def tenant_id(self) -> int | None: ...
+
+    @property
+    def idempotency_key(self) -> str | None: ...
+
+    @property
+    def statuses(self) -> tuple[str, ...]: ...
+
 
 _PENDING = "o.sent_at IS NULL AND o.parked_at IS NULL"
 _CANCEL_TRAIL = columns.trail_insert(
@@ -66,7 +89,7 @@ _RESCHEDULE_TRAIL = columns.trail_insert(
 )
 
 
-def _where(selection: Selection) -> tuple[str, str]:
+def _where(selection: RunSelection) -> tuple[str, str]:
     """``(WHERE clause, ORDER/LIMIT tail)`` selecting the control's runs from ``task_runs r``."""
     if selection.run_ids:
         return "r.run_id = ANY(:run_ids)", ""
@@ -84,7 +107,7 @@ def _where(selection: Selection) -> tuple[str, str]:
     return " AND ".join(parts), ""
 
 
-def _target(selection: Selection) -> str:
+def _target(selection: RunSelection) -> str:
     where, tail = _where(selection)
     return f"""
 target AS (
@@ -189,7 +212,7 @@ FROM target AS t LEFT JOIN moved AS m USING (run_id){join_wake}
     )
 
 
-def _shape(selection: Selection) -> tuple[bool, bool, bool, bool]:
+def _shape(selection: RunSelection) -> tuple[bool, bool, bool, bool]:
     return (
         bool(selection.run_ids),
         selection.task is not None,
@@ -198,10 +221,20 @@ def _shape(selection: Selection) -> tuple[bool, bool, bool, bool]:
     )
 
 
-def _shape_selection(shape: tuple[bool, bool, bool, bool]) -> Selection:
+@dataclasses.dataclass(frozen=True)
+class _Shape:
     """A stand-in selection with the shape's fields present (values are bound later)."""
+
+    run_ids: tuple[uuid.UUID, ...]
+    task: str | None
+    tenant_id: int | None
+    idempotency_key: str | None
+    statuses: tuple[str, ...] = ()
+
+
+def _shape_selection(shape: tuple[bool, bool, bool, bool]) -> RunSelection:
     by_id, task, tenant, key = shape
-    return Selection(
+    return _Shape(
         run_ids=(uuid.UUID(int=0),) if by_id else (),
         task="t" if task else None,
         tenant_id=0 if tenant else None,
@@ -209,69 +242,55 @@ def _shape_selection(shape: tuple[bool, bool, bool, bool]) -> Selection:
     )
 
 
-def _params(control: Control, detail: dict[str, Any]) -> dict[str, Any]:
-    s = control.selection
+def _params(selection: RunSelection, by: str, detail: dict[str, Any]) -> dict[str, Any]:
     return {
-        "run_ids": list(s.run_ids),
-        "statuses": list(s.statuses),
-        "tenant_id": s.tenant_id,
-        "key": s.idempotency_key,
-        "task": s.task,
+        "run_ids": list(selection.run_ids),
+        "statuses": list(selection.statuses),
+        "tenant_id": selection.tenant_id,
+        "key": selection.idempotency_key,
+        "task": selection.task,
         "detail": json.dumps(detail),
-        "by": control.by,
+        "by": by,
     }
 
 
-def cancel(connection: Connection, control: Cancel) -> list[RunControlResult]:
-    """Run one cancel statement; return what happened to each selected run."""
-    detail: dict[str, Any] = {"cancelled_by": control.by}
-    if control.reason:
-        detail["reason"] = control.reason
-    rows = connection.execute(cancel_statement(_shape(control.selection)), _params(control, detail))
-    results = []
-    for row in rows:
-        if row.status == "running":
-            outcome = ControlOutcome.STOP_REQUESTED
-        elif row.status in FINISHED_STATUSES:
-            outcome = ControlOutcome.FINISHED
-        else:
-            outcome = ControlOutcome.CANCELLED
-        results.append(
-            RunControlResult(
-                run_id=row.run_id,
-                task=row.task,
-                tenant_id=row.tenant_id,
-                outcome=outcome,
-                previous_status=row.status,
-                was_sent=outcome is ControlOutcome.CANCELLED and not row.unsent,
-            )
-        )
-    return results
+def cancel(connection: Connection, selection: RunSelection, *, by: str, detail: dict[str, Any]) -> list[Any]:
+    """Run one cancel statement on the runs ``selection`` names.
+
+    Args:
+        connection: Inside the caller's transaction (the flushing session's, or an operator's).
+        selection: Which runs (:class:`RunSelection`; ``sqla_outbox.controls.Selection``).
+        by: Who asked, recorded as the trail rows' ``worker_id``.
+        detail: Extra JSON context for the trail rows.
+
+    Returns:
+        One row per selected run: ``run_id, task, tenant_id, status`` (the status it had)
+        and ``unsent`` (its pending outbox row was deleted).
+    """
+    return list(connection.execute(cancel_statement(_shape(selection)), _params(selection, by, detail)))
 
 
 def reschedule(
-    connection: Connection, control: Reschedule, *, notify: bool = False
-) -> list[RunControlResult]:
-    """Run one reschedule statement; return what happened to each selected run."""
-    params = _params(control, {"rescheduled_by": control.by})
-    params.update(available_at=control.available_at, delay=control.delay)
-    rows = connection.execute(reschedule_statement(_shape(control.selection), notify), params)
-    results = []
-    for row in rows:
-        if row.available_at is not None:
-            outcome = ControlOutcome.RESCHEDULED
-        elif row.status in FINISHED_STATUSES:
-            outcome = ControlOutcome.FINISHED
-        else:
-            outcome = ControlOutcome.ALREADY_SENT
-        results.append(
-            RunControlResult(
-                run_id=row.run_id,
-                task=row.task,
-                tenant_id=row.tenant_id,
-                outcome=outcome,
-                previous_status=row.status,
-                available_at=row.available_at,
-            )
-        )
-    return results
+    connection: Connection,
+    selection: RunSelection,
+    *,
+    by: str,
+    detail: dict[str, Any],
+    available_at: dt.datetime | None,
+    delay: dt.timedelta | None,
+    notify: bool = False,
+) -> list[Any]:
+    """Run one reschedule statement: the pending outbox rows of the selected ``queued`` or
+    ``retrying`` runs become due at ``available_at`` (or now + ``delay``).
+
+    Args:
+        notify: With the PostgreSQL wake, NOTIFY the relay when a row moved (delivered
+            only if the transaction commits).
+
+    Returns:
+        One row per selected run: ``run_id, task, tenant_id, status`` and ``available_at``
+        (the new due time; NULL when no pending row moved).
+    """
+    params = _params(selection, by, detail)
+    params.update(available_at=available_at, delay=delay)
+    return list(connection.execute(reschedule_statement(_shape(selection), notify), params))

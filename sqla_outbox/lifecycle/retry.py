@@ -142,6 +142,26 @@ def receive_limit_passed(receive_count: int, rules: RetryRules) -> bool:
     return receive_count > rules.max_receives
 
 
+def backoff_bounds(
+    spent: int, rules: RetryRules, *, ceiling: float = SQS_MAX_VISIBILITY_SECONDS
+) -> tuple[float, float]:
+    """The range the task's backoff after a failure on try ``spent`` is drawn from, seconds.
+
+    Equal jitter: between half and all of the nominal ``n = min(cap, base * 2 ** (spent -
+    1), ceiling)``; the base is the nominal first delay, not a minimum.
+
+    Args:
+        spent: :func:`tries_spent` (1 for the first); any integer (the exponent is capped
+            before the power is computed).
+        rules: The task's rules.
+        ceiling: The longest delay that can be given, seconds.
+    """
+    nominal = backoff.exponential_seconds(
+        spent - 1, base=rules.backoff_base_seconds, cap=rules.backoff_max_seconds
+    )
+    return backoff.equal_jitter_bounds(max(0.0, min(nominal, ceiling)))
+
+
 def handler_backoff(
     spent: int,
     rules: RetryRules,
@@ -149,23 +169,10 @@ def handler_backoff(
     ceiling: float = SQS_MAX_VISIBILITY_SECONDS,
     rng: random.Random | None = None,
 ) -> float:
-    """The task's backoff after a transient failure on try ``spent`` (1 for the first).
-
-    Args:
-        spent: :func:`tries_spent`; any integer (the exponent is capped before the power).
-        rules: The task's rules.
-        ceiling: The longest delay that can be given, seconds; the nominal delay is cut
-            to it before the jitter is drawn.
-        rng: Random source (tests pass a seeded one).
-
-    Returns:
-        Seconds within ``[n / 2, n]`` for the nominal ``n = min(cap, base * 2 ** (spent
-        - 1), ceiling)``: the base is the nominal first delay, not a minimum.
-    """
-    nominal = backoff.exponential_seconds(
-        spent - 1, base=rules.backoff_base_seconds, cap=rules.backoff_max_seconds
-    )
-    return backoff.equal_jitter(max(0.0, min(nominal, ceiling)), rng)
+    """The task's backoff after a transient failure on try ``spent``: drawn uniformly within
+    :func:`backoff_bounds` (``rng``: a seeded random source for tests)."""
+    low, high = backoff_bounds(spent, rules, ceiling=ceiling)
+    return rng.uniform(low, high) if rng is not None else random.uniform(low, high)  # noqa: S311 - jitter
 
 
 def failure_delay(

@@ -26,6 +26,7 @@ from sqlalchemy.engine import Connection
 from sqla_outbox import charsets, flow, metrics
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import log_extra
+from sqla_outbox.queues import BUILTIN_REGISTRY, QueueRegistry
 from sqla_outbox.relay import claim
 from sqla_outbox.relay.claim import ClaimedRow
 from sqla_outbox.relay.depth import DepthGauge, auto_depth
@@ -35,7 +36,6 @@ from sqla_outbox.relay.partitions import Ownership
 from sqla_outbox.relay.pauses import split as split_paused
 from sqla_outbox.relay.ratelimit import RateWindows
 from sqla_outbox.relay.send import ENTRY, REFUSED, Sender, SendFailure, SendResult
-from sqla_outbox.types import QUEUE_NAMES
 
 logger = logging.getLogger("sqla_outbox.relay")
 
@@ -93,6 +93,7 @@ class PassRunner:
         depth_reader: ``queue -> visible messages`` for the queue-depth bound; None with
             the default sender: GetQueueAttributes on its client; None with an injected
             ``sender``: no bound.
+        queues: The queues the relay knows (built-in and the catalog's declared ones).
     """
 
     def __init__(
@@ -103,8 +104,10 @@ class PassRunner:
         ownership: Ownership,
         sender: Sender | None,
         depth_reader: Callable[[str], int] | None,
+        queues: QueueRegistry = BUILTIN_REGISTRY,
     ) -> None:
         self.settings = settings
+        self.queues = queues
         self.name = name
         self.ownership = ownership
         self._sender = sender
@@ -234,7 +237,7 @@ class PassRunner:
         allowance = _Allowance(self, connection)
         batch = self.settings.relay_batch_size
         partitions = self.ownership.params()
-        due = self.fair.discover(connection, most=batch * len(QUEUE_NAMES), partitions=partitions)
+        due = self.fair.discover(connection, most=batch * len(self.queues), partitions=partitions)
         # the gauge needs the SQS client: build it only once rows are due (a relay with
         # nothing to send never reaches SQS, as before fairness)
         depth = self.depth if due else None

@@ -24,6 +24,7 @@ from sqla_outbox import backoff, engines, metrics, migrations
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import error_fields, log_extra
+from sqla_outbox.queues import BUILTIN_REGISTRY
 from sqla_outbox.relay import claim, passes
 from sqla_outbox.relay.fair import FairClaimer
 from sqla_outbox.relay.listen import NotifyListener, forward_wake
@@ -84,8 +85,9 @@ class Relay(passes.PassRunner):
             client from :func:`sqla_outbox.sqs.client.make_client`.
         engine: SQLAlchemy engine; default from ``settings.database_url``.
         name: Identifies this relay in logs (default ``<host>:<pid>``).
-        catalog: Where scheduled tasks are declared (default: the file at
-            ``catalog_path`` if it exists). Ignored when ``relay_scheduler`` is off.
+        catalog: Where scheduled tasks and declared queues are read (default: the file at
+            ``catalog_path`` if it exists). Its schedules are ignored when
+            ``relay_scheduler`` is off; its queues are the ones the relay's gauges report.
         depth_reader: ``queue -> visible messages`` for the queue-depth bound; default
             GetQueueAttributes on the default sender's client; None with an injected
             ``sender``: no bound.
@@ -102,12 +104,15 @@ class Relay(passes.PassRunner):
         depth_reader: Callable[[str], int] | None = None,
     ) -> None:
         name = name or f"{socket.gethostname()}:{os.getpid()}"
+        if catalog is None and Path(settings.catalog_path).exists():
+            catalog = Catalog.load(settings.catalog_path)
         super().__init__(
             settings,
             name=name,
             ownership=Ownership(settings, name),
             sender=sender,
             depth_reader=depth_reader,
+            queues=catalog.queue_registry if catalog is not None else BUILTIN_REGISTRY,
         )
         self.engine = engine or engines.make_engine(
             settings, application_name=RELAY_APPLICATION_PREFIX + self.name
@@ -126,6 +131,8 @@ class Relay(passes.PassRunner):
         self._backoff = backoff.Doubling(0.5, 10.0)
         """Wait between passes that failed in the database or stalled on SQS."""
         self._shown_throttled: set[int] = set()
+        self._gauged: set[tuple[str, str]] = set()
+        """(table, queue) pairs the pending gauges show."""
         self._rebalance_at = 0.0
         self._valkey_woken = False
         """The wake being served came through Valkey (pass it on to the other relays)."""
@@ -410,10 +417,13 @@ class Relay(passes.PassRunner):
     def _refresh_pending_gauges(self, connection: Connection) -> None:
         """The pending-rows gauges cover the whole outbox: with several relays only the
         owner of partition 0 exports them (the others clear theirs), so a sum over relays
-        counts every row once."""
+        counts every row once. A (table, queue) with nothing pending reads 0: every queue of
+        the registry, and every queue the gauges showed before (a queue since removed from
+        the catalog), so a drained queue never keeps its last backlog."""
         if not self.ownership.runs_singletons:
             metrics.RELAY_PENDING.clear()
             metrics.RELAY_OLDEST_PENDING_AGE.clear()
+            self._gauged = set()
             return
         stats = claim.pending_stats(connection)
         connection.commit()
@@ -422,8 +432,8 @@ class Relay(passes.PassRunner):
             seen.add((stat.table, stat.queue))
             metrics.RELAY_PENDING.labels(stat.table, stat.queue).set(stat.pending)
             metrics.RELAY_OLDEST_PENDING_AGE.labels(stat.table, stat.queue).set(stat.oldest_due_age_seconds)
-        for table in claim.TABLES:
-            for queue in ("critical", "default", "bulk", "maintenance"):
-                if (table, queue) not in seen:
-                    metrics.RELAY_PENDING.labels(table, queue).set(0)
-                    metrics.RELAY_OLDEST_PENDING_AGE.labels(table, queue).set(0)
+        known = {(table, queue) for table in claim.TABLES for queue in self.queues.names}
+        for table, queue in (known | self._gauged) - seen:
+            metrics.RELAY_PENDING.labels(table, queue).set(0)
+            metrics.RELAY_OLDEST_PENDING_AGE.labels(table, queue).set(0)
+        self._gauged = known | seen

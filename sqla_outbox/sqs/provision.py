@@ -27,11 +27,10 @@ import dataclasses
 import json
 from typing import Any
 
-from sqla_outbox import errors
+from sqla_outbox import errors, queues
 from sqla_outbox.catalog import Catalog, QueueSpec
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.sqs.client import is_missing_queue
-from sqla_outbox.types import QUEUE_NAMES
 
 SQS_QUEUE_NAME_MAX = 80
 """SQS queue names are at most 80 characters (SQS CreateQueue, QueueName)."""
@@ -71,25 +70,23 @@ def desired_attributes(
     """SQS attributes a queue should have (strings, as the SQS API takes them).
 
     Args:
-        spec: The catalog's declaration of ``queue`` (None for the four defaults).
+        spec: The catalog's declaration of ``queue`` (None for the four defaults, or a
+            queue the catalog does not declare).
     """
+    known = spec or queues.BUILTIN_BY_NAME.get(queue) or queues.Queue(queue)
+    deployed = queues.QueueRegistry([] if known.builtin else [known]).deployed(queue, settings)
     attributes = {
         "MaximumMessageSize": str(settings.max_message_bytes),
         "ReceiveMessageWaitTimeSeconds": str(LONG_POLL_SECONDS),
+        "VisibilityTimeout": str(deployed.visibility_timeout_seconds),
     }
-    declared = spec.visibility_timeout_seconds if spec is not None else None
-    attributes["VisibilityTimeout"] = str(settings.visibility_timeout_seconds(queue, declared))
     if dead_letter:
         attributes["MessageRetentionPeriod"] = str(DLQ_RETENTION_SECONDS)
     else:
-        retention = (
-            spec.message_retention_seconds if spec else None
-        ) or settings.sqs_message_retention_seconds
-        receives = (spec.max_receive_count if spec else None) or settings.max_receive_count
-        attributes["MessageRetentionPeriod"] = str(retention)
+        attributes["MessageRetentionPeriod"] = str(deployed.message_retention_seconds)
         assert dlq_arn is not None
         attributes["RedrivePolicy"] = json.dumps(
-            {"deadLetterTargetArn": dlq_arn, "maxReceiveCount": receives},
+            {"deadLetterTargetArn": dlq_arn, "maxReceiveCount": deployed.max_receive_count},
             separators=(",", ":"),
         )
     if settings.sqs_kms_key_id:
@@ -119,8 +116,8 @@ def provision(
             longer than 80 characters (SQS limit); checked before any call.
         botocore.exceptions.ClientError: SQS refused a call (permissions, quotas).
     """
-    declared = dict(catalog.queues) if catalog is not None else {}
-    for queue in declared:
+    registry = catalog.queue_registry if catalog is not None else queues.BUILTIN_REGISTRY
+    for queue in (q.name for q in registry.declared):
         if len(settings.dlq_url_name(queue)) > SQS_QUEUE_NAME_MAX:
             raise errors.ConfigurationError(
                 f"queue {queue!r}: SQS name {settings.dlq_url_name(queue)!r} is longer than "
@@ -128,8 +125,8 @@ def provision(
                 option="queue_prefix",
             )
     reports: list[QueueReport] = []
-    for queue in (*QUEUE_NAMES, *declared):
-        spec = declared.get(queue)
+    for queue in registry.names:
+        spec = None if registry.get(queue).builtin else registry.get(queue)
         dlq = _ensure(
             client,
             settings.dlq_url_name(queue),

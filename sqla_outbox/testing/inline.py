@@ -23,7 +23,7 @@ from sqla_outbox.config import OutboxSettings
 from sqla_outbox.events import install, installation_for, uninstall
 from sqla_outbox.lifecycle import attempts, sending, verdict
 from sqla_outbox.lifecycle.attempts import Failure
-from sqla_outbox.types import VISIBILITY_TIMEOUT_SECONDS, JSONValue
+from sqla_outbox.types import JSONValue
 from sqla_outbox.worker import execute
 from sqla_outbox.worker.context import bounded_detail
 from sqla_outbox.worker.registry import Registry
@@ -405,9 +405,7 @@ class _InlineRunner:
                     task=env.task,
                     tenant_id=env.tenant_id,
                     worker_id=WORKER_ID,
-                    lease_seconds=VISIBILITY_TIMEOUT_SECONDS.get(
-                        env.queue, VISIBILITY_TIMEOUT_SECONDS["default"]
-                    ),
+                    lease_seconds=self._lease_seconds(env.queue),
                     receive_count=receive_count,
                     honour_due_time=False,  # rows were picked by due time, or include_delayed
                 )
@@ -508,6 +506,14 @@ class _InlineRunner:
         if decided.kind is verdict.Kind.FAIL:
             return "failed", failure, decided.reason
         return "retrying", failure, None
+
+    def _lease_seconds(self, queue: str) -> int:
+        """The lease a worker takes for a run of ``queue``: its visibility timeout as the
+        settings deploy it (the default queue's for a queue the catalog does not know)."""
+        known = self.catalog.queue_registry
+        return known.deployed(
+            queue if queue in known else "default", self.settings
+        ).visibility_timeout_seconds
 
     def _status(self, run_id: uuid.UUID) -> str:
         with self.engine.connect() as connection:

@@ -52,7 +52,7 @@ from sqla_outbox.worker.engine import make_worker_engine
 from sqla_outbox.worker.flight import InFlight
 from sqla_outbox.worker.heartbeat import heartbeat_loop
 from sqla_outbox.worker.outcome import Outcomes
-from sqla_outbox.worker.receive import QUEUE_WEIGHTS, RECEIVE_MAX_MESSAGES, SlotPool
+from sqla_outbox.worker.receive import RECEIVE_MAX_MESSAGES, SlotPool
 from sqla_outbox.worker.registry import Registry
 from sqla_outbox.worker.registry import registry as default_registry
 from sqla_outbox.worker.runtime import Runtime, WorkerCounters
@@ -119,7 +119,7 @@ def consumed_queues(settings: OutboxSettings, catalog: Catalog) -> list[str]:
 
 def queue_weights(catalog: Catalog) -> dict[str, int]:
     """Slot weights: critical 8, default 4, bulk 2, maintenance 1, and each declared queue's."""
-    return {**QUEUE_WEIGHTS, **{name: spec.weight for name, spec in catalog.queues.items()}}
+    return catalog.queue_registry.weights()
 
 
 class Worker:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-QUEUE_WEIGHTS: dict[str, int] = {"critical": 8, "default": 4, "bulk": 2, "maintenance": 1}
+from sqla_outbox import queues
+
 RECEIVE_MAX_MESSAGES = 10
 """ReceiveMessage returns at most 10 messages per call (SQS quota)."""
 
@@ -41,13 +42,14 @@ class SlotPool:
 
     Args:
         capacity: Handler slots (``worker_concurrency``).
-        weights: Queue → weight (default :data:`QUEUE_WEIGHTS`).
+        weights: Queue → weight (default: the built-in queues' weights,
+            :meth:`sqla_outbox.queues.QueueRegistry.weights`).
     """
 
     def __init__(self, capacity: int, weights: dict[str, int] | None = None) -> None:
         self.capacity = capacity
         self.free = capacity
-        self.weights = weights or QUEUE_WEIGHTS
+        self.weights = weights or queues.BUILTIN_REGISTRY.weights()
         self._virtual_time = 0.0
         self._finish: dict[str, float] = {}
         self._waiters: list[_Waiter] = []

@@ -27,23 +27,13 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from sqla_outbox import errors, maintenance, webhooks
+from sqla_outbox import errors, maintenance, queues, webhooks
 from sqla_outbox.catalog import DEFAULT_QUEUE_VISIBILITY_SECONDS, Catalog, QueueSpec, Scope, TaskSpec
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.lifecycle import retry
 from sqla_outbox.lifecycle.retry import RetryRules
-from sqla_outbox.types import PRIORITY_MAX, PRIORITY_MIN, QUEUE_NAMES, is_priority
+from sqla_outbox.types import PRIORITY_MAX, PRIORITY_MIN, is_priority
 from sqla_outbox.worker.limits import Breaker, TaskLimits
-
-DEFAULT_TIMEOUT_SECONDS: dict[str, float] = {
-    "critical": 30.0,
-    "default": 300.0,
-    "bulk": 1800.0,
-    "maintenance": 900.0,
-}
-"""Per-attempt timeout when a task sets none, by queue (seconds); a declared queue's tasks
-get the ``default`` queue's."""
-
 
 RetryPolicy = retry.RetryPolicy
 """How a task retries transient failures (:class:`sqla_outbox.lifecycle.retry.RetryPolicy`)."""
@@ -86,7 +76,7 @@ class TaskDefinition:
     def effective_timeout(self) -> float | None:
         """Seconds an attempt may run, or None for no limit."""
         if self.timeout_seconds is None:
-            return DEFAULT_TIMEOUT_SECONDS.get(self.queue, DEFAULT_TIMEOUT_SECONDS["default"])
+            return queues.BUILTIN_REGISTRY.attempt_timeout_seconds(self.queue)
         return None if self.timeout_seconds == 0 else self.timeout_seconds
 
     def retry_rules(self, settings: OutboxSettings) -> RetryRules:
@@ -271,10 +261,11 @@ class Registry:
                 to another function. Raised when the module is imported, not later when
                 the catalog is written.
         """
-        if queue not in QUEUE_NAMES and queue not in self.queues:
+        known = queues.QueueRegistry(self.queues.values())
+        if queue not in known:
             raise errors.ConfigurationError(
                 f"task {name!r}: unknown queue {queue!r}; expected one of "
-                f"{', '.join((*QUEUE_NAMES, *self.queues))} (declare more with queue() before the @task)",
+                f"{', '.join(known.names)} (declare more with queue() before the @task)",
                 option="@task(queue)",
             )
         if scope not in ("tenant", "platform", "any"):

@@ -135,3 +135,46 @@ def test_a_worker_naming_an_undeclared_queue_refuses_to_start(
 def test_an_undeclared_queue_is_refused_at_add(app: sessionmaker[Session]) -> None:
     with app() as session, pytest.raises(errors.UnknownQueue, match="unknown queue 'nightly'"):
         session.add(Dispatch("audit", {}, queue="nightly"))
+
+
+def test_a_declared_queues_pending_gauge_reads_zero_once_it_drains(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+) -> None:
+    """The relay resets the pending gauges of every queue of its registry, declared ones
+    included: a drained declared queue must not keep its last backlog (the "relay lagging"
+    alert would fire until the relay restarted)."""
+    import urllib.request
+
+    from sqla_outbox import flow
+
+    migrate_queue_check(engine, ["reminders"], [])
+    code, _ = provision_cli(settings, sqs_endpoint)
+    assert code == 0
+    with engine.begin() as conn:  # held pending by the relay while paused
+        flow.pause(conn, queue="reminders", by="test")
+    with app() as session, session.begin():
+        session.add_all([Dispatch("remind", {"mode": "ok", "n": n}, tenant_id=1) for n in range(2)])
+    port = support.free_port()
+    relay = start_relay(settings, sqs_endpoint, SQLA_OUTBOX_HEALTH_PORT=str(port))
+
+    def gauge() -> str | None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith(
+                    'sqla_outbox_relay_pending_rows{queue="reminders",table="outbox_messages"}'
+                ):
+                    return line.rsplit(" ", 1)[1]
+        return None
+
+    try:
+        relay.wait_for_action("relay.leader")
+        wait_for(lambda: gauge() == "2.0", timeout=20)
+        with engine.begin() as conn:
+            flow.resume(conn, queue="reminders")
+        wait_for(lambda: all(r.sent_at is not None for r in support.outbox_rows(engine)), timeout=20)
+        wait_for(lambda: gauge() == "0.0", timeout=20)  # the next refresh (every 5 s) zeroes it
+    finally:
+        assert relay.terminate() == 0

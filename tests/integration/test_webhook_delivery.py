@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqla_outbox import Publish, webhooks
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
+from sqla_outbox.lifecycle import retry
 from sqla_outbox.testing import RunReport, run_pending
 from sqla_outbox.worker import destination_guard
 from sqla_outbox.worker.registry import Registry, RetryPolicy
@@ -345,12 +346,11 @@ def test_a_4xx_fails_permanently(
     ("reply", "retry_after", "backoff"),
     [
         # the trail records the delay the worker waits (the inline runner runs the next try at
-        # once): the longer of the Retry-After and the task's backoff (worker_backoff_base_seconds
-        # 5 s on the first try, drawn within [2.5, 5])
+        # once): the longer of the Retry-After and the task's backoff on its first try (None)
         (Reply(429, headers={"retry-after": "7"}), 7.0, (7.0, 7.0)),
         (Reply(503, headers={"retry-after": "120"}), 120.0, (120.0, 120.0)),
-        (Reply(429), None, (2.5, 5.0)),
-        (Reply(429, headers={"retry-after": "1"}), 1.0, (2.5, 5.0)),  # shorter: the backoff wins
+        (Reply(429), None, None),
+        (Reply(429, headers={"retry-after": "1"}), 1.0, None),  # shorter: the backoff wins
         (Reply(503, headers={"retry-after": "999999"}), 43_200.0 - 900, (42_300.0, 42_300.0)),  # within 12 h
     ],
 )
@@ -362,7 +362,7 @@ def test_429_and_5xx_are_transient_and_retry_after_only_lengthens_the_backoff(
     registry: Registry,
     reply: Reply,
     retry_after: float | None,
-    backoff: tuple[float, float],
+    backoff: tuple[float, float] | None,
 ) -> None:
     endpoint(app, receiver.url(), events=["invoice.sent"])
     [run_id] = publish(app).values()
@@ -372,7 +372,9 @@ def test_429_and_5xx_are_transient_and_retry_after_only_lengthens_the_backoff(
     assert step.error_type == "sqla_outbox.errors.WebhookFailed"  # not errors.Retry
     reason = "rate-limited" if reply.status == 429 else "server-error"
     assert step.error_message.startswith(f"{reason}: the receiver answered {reply.status}")
-    assert backoff[0] <= step.detail["backoff_seconds"] <= backoff[1]
+    rules = registry.tasks["webhooks.deliver"].retry_rules(delivery_settings)
+    low, high = backoff or retry.backoff_bounds(1, rules)
+    assert low <= step.detail["backoff_seconds"] <= high
     assert step.detail["webhook"].get("retry_after_seconds") == retry_after
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pkgutil
+import re
 import shutil
 import subprocess
 import sys
@@ -62,8 +63,10 @@ def test_every_contract_is_kept() -> None:
         ("ops/status.py", "import rich as _rich", "Nothing below the commands"),
         # an HTTP client outside the worker (webhook deliveries are worker-side only)
         ("relay/send.py", "import httpx as _httpx", "Only the worker (sqla_outbox.worker) imports httpx"),
-        # a module nobody has listed yet is covered by the owner contracts all the same
+        # a module nobody has listed yet is covered by the owner contracts all the same, and
+        # the exhaustive layers contract refuses it until it is placed in a layer
         ("brand_new.py", "import boto3 as _boto3", "Only the SQS layer"),
+        ("brand_new.py", "X = 1", "marked as 'exhaustive'"),
         # the dashboard rendering for a terminal, or reaching up into the commands
         ("dashboard/app.py", "import click as _click", "Nothing below the commands"),
         ("dashboard/views.py", "from sqla_outbox.cli import options as _up", "Layers"),
@@ -79,15 +82,60 @@ def test_a_deliberate_break_fails_the_check(tmp_path: Path, module: str, added: 
     assert "BROKEN" in result.stdout
 
 
-def test_every_top_level_module_is_in_a_layer() -> None:
-    """A new top-level module must be placed in a layer (the owner contracts need no list:
-    they are ``protected`` contracts, so a new module is covered by them at once)."""
+def _contracts() -> dict[str, dict[str, object]]:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    return {c["id"]: c for c in config["contracts"]}
+
+
+def _page_tables() -> tuple[list[str], list[str]]:
+    """docs/architecture.md: the modules column of the layers table, and the contract names."""
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    layers_part = page.split("## The layers, top to bottom", 1)[1].split("##", 1)[0]
+    contracts_part = page.split("## The rules, as contracts", 1)[1].split("##", 1)[0]
+
+    def rows(part: str) -> list[list[str]]:
+        cells = []
+        for line in part.splitlines():
+            if line.startswith("|") and not line.startswith("|---"):
+                cells.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip("|"))])
+        return cells[1:]  # the header
+
+    modules = [r[1].strip("`").replace("\\|", "|") for r in rows(layers_part)]
+    names = [r[0] for r in rows(contracts_part)]
+    return modules, names
+
+
+def test_the_architecture_page_equals_the_contracts() -> None:
+    contracts = _contracts()
+    modules, names = _page_tables()
+    assert modules == contracts["layers"]["layers"], (
+        "docs/architecture.md's layers differ from pyproject.toml"
+    )
+    assert names == [c["name"] for c in contracts.values()], "docs/architecture.md's contracts differ"
+
+
+def test_every_top_level_module_is_in_a_layer() -> None:
+    """The layers contract is exhaustive (import-linter fails a module in no layer); the
+    page lists the same modules."""
+    contracts = _contracts()
+    assert contracts["layers"]["exhaustive"] is True
     top_level = {f"sqla_outbox.{m.name}" for m in pkgutil.iter_modules(sqla_outbox.__path__)}
-    contracts = {c["id"]: c for c in config["contracts"]}
     layered = {
         f"sqla_outbox.{name.strip()}"
         for layer in contracts["layers"]["layers"]
         for name in layer.replace(":", "|").split("|")
     }
     assert layered == top_level, f"not in a layer: {sorted(top_level - layered)}"
+
+
+def test_imports_by_name_are_the_listed_ones() -> None:
+    """``importlib.import_module`` / ``__import__`` escape import-linter: each use is listed
+    on docs/architecture.md ("Imports by name")."""
+    listed = {"lazy.py", "worker/consumer.py"}
+    found = set()
+    for path in (ROOT / "sqla_outbox").rglob("*.py"):
+        if re.search(r"\bimport_module\(|__import__\(", path.read_text(encoding="utf-8")):
+            found.add(path.relative_to(ROOT / "sqla_outbox").as_posix())
+    assert found == listed
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert all(f"`{module}`" in page for module in ("lazy", "worker/consumer.py"))

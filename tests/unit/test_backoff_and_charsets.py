@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sqla_outbox import backoff, charsets
-from sqla_outbox.lifecycle import retry
 
 STREAKS = st.integers(min_value=0, max_value=1_000_000)
 
@@ -21,16 +19,6 @@ def test_relay_backoff_is_finite_and_capped_for_any_streak(attempts: int, base: 
     delay = backoff.exponential_seconds(attempts, base=base, cap=cap)
     assert 0 <= delay <= cap
     assert delay == min(cap, base * 2 ** min(attempts, backoff.MAX_EXPONENT))
-
-
-@settings(max_examples=300, deadline=None)
-@given(receive_count=STREAKS, seed=st.integers(0, 2**32))
-def test_worker_backoff_is_finite_jittered_and_capped_for_any_receive_count(
-    receive_count: int, seed: int
-) -> None:
-    delay = retry.handler_backoff(receive_count, retry.RetryRules(5, 5, 900), rng=random.Random(seed))
-    nominal = min(900, 5 * 2 ** max(0, min(receive_count - 1, backoff.MAX_EXPONENT)))
-    assert nominal / 2 <= delay <= nominal
 
 
 def test_the_exponent_is_capped_before_the_power_is_computed() -> None:
@@ -70,3 +58,15 @@ def test_jsonb_values_are_made_safe_at_any_depth() -> None:
     safe = charsets.jsonb_safe(value)
     assert safe == {"k\\x00": ["a\\x00", {"b": "\\ud800"}], "n": 3, "ok": None}
     assert "\\u0000" not in json.dumps(safe)
+
+
+def test_the_reconnect_delay_doubles_to_its_cap_and_resets() -> None:
+    delay = backoff.Doubling(0.5, 10.0)
+    seen = [delay.current]
+    for _ in range(6):
+        seen.append(delay.grow())
+    assert seen == [0.5, 1, 2, 4, 8, 10, 10]
+    delay.reset()
+    assert delay.current == 0.5
+    with pytest.raises(ValueError):
+        backoff.Doubling(0, 1)
