@@ -15,7 +15,9 @@
    **Flow control** (a task with ``rate_limit``, ``concurrency`` or ``breaker``): the
    admission gate (:mod:`sqla_outbox.worker.gate`) decides first; a refused run is
    deferred through the outbox the same way (ADR 0014), and an admitted one gives its
-   admission back when handling ends, with the outcome its breaker counts.
+   admission back when handling ends, with the outcome its breaker counts. A webhook
+   delivery also counts against its tenant's share of this worker's slots
+   (``webhook_tenant_slot_share``); over it, it is deferred the same way (``tenant-share``).
 4. **Take the run's lease** (:func:`sqla_outbox.lifecycle.attempts.take_lease`, in one transaction
    with the other messages of the same receive: :mod:`sqla_outbox.worker.leases`). No such run
    (foreign or forged message) or a run of another task/tenant/queue → DLQ, never
@@ -168,8 +170,8 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
         if deferred.claim is not None:
             await _settle_unclaimed(runtime, flight, deferred.claim)
         return
-    if definition.limits.any:
-        verdict = await runtime.io(runtime.gate.admit, env.task, definition.limits, env.run_id)
+    if definition.limits.any or runtime.gate.counts_shares(env.task):
+        verdict = await runtime.io(runtime.gate.admit, env.task, definition.limits, env.run_id, env.tenant_id)
         if verdict.admission is None:
             await _throttled(runtime, flight, env, verdict)
             return
