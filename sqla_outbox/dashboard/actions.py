@@ -195,10 +195,13 @@ class ActionRegistry:
 # --- DLQ requeue -----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class RequeueParams:
-    """What to requeue: the CLI's ``dlq requeue`` filters (at least one, or ``everything``)."""
+    """What to requeue: the CLI's ``dlq requeue`` filters (at least one, or ``everything``),
+    matched on each run's own row; ``include_unverified``: also copies nothing vouches for
+    (``--include-unverified``)."""
 
     filters: dlq.DeadLetterFilter
     everything: bool = False
+    include_unverified: bool = False
 
 
 def _values(form: Form, name: str) -> list[str]:
@@ -252,6 +255,7 @@ class DlqRequeue(Action):
                     f"{older[-1]!r} is not a duration (examples: 90s, 10m, 2h, 7d)", field="older_than"
                 ) from None
         everything = "yes" in _values(form, "all")
+        include_unverified = "yes" in _values(form, "include_unverified")
         if not (run_ids or queues or tasks or older_than or everything):
             raise ActionInputError(
                 "choose the runs: a run id, a queue, a task or an age, or tick 'every failed run'"
@@ -263,11 +267,16 @@ class DlqRequeue(Action):
             run_ids=frozenset(run_ids),
             known=self.queues,
         )
-        return RequeueParams(filters=filters, everything=everything)
+        return RequeueParams(filters=filters, everything=everything, include_unverified=include_unverified)
 
     def preview(self, context: ActionContext, params: RequeueParams) -> ActionReport:
         report = requeue.requeue(
-            context.engine, context.sqs(), context.settings, params.filters, dry_run=True
+            context.engine,
+            context.sqs(),
+            context.settings,
+            params.filters,
+            dry_run=True,
+            include_unverified=params.include_unverified,
         )
         return self._report(report)
 
@@ -280,6 +289,7 @@ class DlqRequeue(Action):
             dry_run=False,
             waker=context.waker(),
             operator=context.identity.actor,
+            include_unverified=params.include_unverified,
         )
         return self._report(report)
 

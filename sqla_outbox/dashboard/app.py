@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import threading
@@ -383,6 +382,8 @@ class Pages:
                 rows=[],
                 sqs_error=None,
                 action=self.dashboard.actions.get("dlq-requeue"),
+                include_unverified=False,
+                signing=bool(self.settings.signing_keys),
             )
         filters = dlq.DeadLetterFilter(
             tasks=query.tasks,
@@ -397,12 +398,6 @@ class Pages:
             listing = await self._dead_letters(filters)
             ids = [x.run_id for x in listing.letters if x.run_id is not None]
             run_errors = await run_in_threadpool(self.dashboard.read, lambda c: queries.errors_of(c, ids))
-            listing.letters = [
-                dataclasses.replace(x, run_status=run_errors[x.run_id].status)
-                if x.run_id in run_errors
-                else x
-                for x in listing.letters
-            ]
         except sa.exc.DBAPIError:
             raise
         except Exception as exc:  # SQS (or its configuration): shown on the page, filters kept
@@ -414,6 +409,7 @@ class Pages:
                 "dashboard could not read the DLQs",
                 extra=log_extra(action="dashboard.dlq_failed", error_code=error_code(exc)),
             )
+        include_unverified = query.values.get("include_unverified") == "yes"
         rows = [
             {
                 "letter": letter,
@@ -421,6 +417,7 @@ class Pages:
                 "requeueable": letter.run_id is not None
                 and letter.run_status == "failed"
                 and not requeue.is_foreign(letter),
+                "vouched": requeue.vouched_for(letter, self.settings),
             }
             for letter in (listing.letters if listing is not None else [])
         ]
@@ -434,11 +431,15 @@ class Pages:
             sqs_error=sqs_error,
             error=None,
             action=self.dashboard.actions.get("dlq-requeue"),
+            include_unverified=include_unverified and not self.settings.signing_keys,
+            signing=bool(self.settings.signing_keys),
         )
 
     async def _dead_letters(self, filters: dlq.DeadLetterFilter) -> dlq.DeadLetterListing:
-        """:func:`sqla_outbox.ops.dlq.list_dead_letters`, the four DLQs scanned at once (one
-        thread each: the page waits for the slowest queue, not for the sum of them)."""
+        """:func:`sqla_outbox.ops.dlq.list_dead_letters`, the DLQs scanned at once (one thread
+        each: the page waits for the slowest queue, not for the sum of them), then every
+        message checked against the database (:func:`sqla_outbox.ops.dlq.resolve`): the
+        filters match each run's own row, never the messages' attributes."""
         sqs = await run_in_threadpool(self.dashboard.sqs)
         parts = await asyncio.gather(
             *(
@@ -446,8 +447,7 @@ class Pages:
                     dlq.list_dead_letters,
                     sqs,
                     self.settings,
-                    dataclasses.replace(filters, queues=(queue,)),
-                    limit=DLQ_LIST_LIMIT,
+                    dlq.DeadLetterFilter(queues=(queue,), known=filters.known),
                 )
                 for queue in filters.scanned_queues()
             )
@@ -458,9 +458,17 @@ class Pages:
             listing.scanned.update(part.scanned)
             listing.missing_queues += part.missing_queues
             listing.truncated = listing.truncated or part.truncated
-        if len(listing.letters) > DLQ_LIST_LIMIT:
-            listing.letters, listing.truncated = listing.letters[:DLQ_LIST_LIMIT], True
-        return listing
+
+        def finish(connection: Connection) -> dlq.DeadLetterListing:
+            return dlq.finish(
+                listing,
+                filters,
+                connection=connection,
+                limit=DLQ_LIST_LIMIT,
+                max_bytes=self.settings.max_message_bytes,
+            )
+
+        return await run_in_threadpool(self.dashboard.read, finish)
 
     # --- schedules, controls -----------------------------------------------------------------
     async def schedules_page(self, request: Request) -> Response:

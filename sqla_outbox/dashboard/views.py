@@ -123,12 +123,14 @@ class DlqQuery:
 
 def dlq_query(params: Mapping[str, str], *, queues: Sequence[str] = QUEUE_NAMES) -> DlqQuery:
     """The DLQ page's filters: ``queue`` (one of ``queues``: the four, plus declared ones),
-    ``task``, ``older_than`` (``10m``, ``2h``, ``7d``).
+    ``task``, ``older_than`` (``10m``, ``2h``, ``7d``), and ``include_unverified=yes`` (offer
+    requeues of copies nothing vouches for too).
 
     Raises:
         FilterError: A parameter is invalid.
     """
-    values = {k: params.get(k, "").strip() for k in ("queue", "task", "older_than")}
+    values = {k: params.get(k, "").strip() for k in ("queue", "task", "older_than", "include_unverified")}
+    values["include_unverified"] = "yes" if values["include_unverified"] == "yes" else ""
     _storable(values)
     if values["queue"] and values["queue"] not in queues:
         raise FilterError(f"queue: {values['queue']!r} is not one of {', '.join(queues)}")

@@ -146,7 +146,7 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
             detail=f"the envelope names queue {env.queue!r} but the message arrived on {flight.queue!r}",
         )
         return
-    flight.run_id, flight.task_name = env.run_id, env.task
+    flight.run_id, flight.task_name, flight.tenant_id = env.run_id, env.task, env.tenant_id
     if runtime.pauses.stale:
         await runtime.io(runtime.in_transaction, runtime.pauses.refresh)
     paused = runtime.pauses.pauses.blocking(env.task, env.tenant_id, env.queue)
@@ -449,7 +449,7 @@ async def _send_to_dlq(
         flight.queue,
         flight.receipt_handle,
         flight.body,
-        flight.attributes,
+        _run_attributes(flight),
         context,
     )
     metrics.DLQ_SENDS.labels(flight.queue, reason).inc()
@@ -466,6 +466,16 @@ async def _send_to_dlq(
                 dlq=dlq.rsplit("/", 1)[-1],
             ),
         )
+
+
+def _run_attributes(flight: InFlight) -> dict[str, Any]:
+    """The DLQ message's ``run_id``/``task``/``tenant_id`` attributes for a run's own message:
+    the decoded envelope's (which matched the run), not the received attributes, which
+    whoever sent the message wrote; the relay's ``signature`` is kept with the body."""
+    if flight.run_id is None or flight.task_name is None:
+        return flight.attributes
+    kept = {k: v for k, v in flight.attributes.items() if k == envelope.SIGNATURE_ATTRIBUTE}
+    return {**kept, **envelope.message_attributes(flight.run_id, flight.task_name, flight.tenant_id)}
 
 
 async def _dead_letter_foreign(runtime: Runtime, flight: InFlight, *, reason: str, detail: str) -> None:
