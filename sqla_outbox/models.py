@@ -555,6 +555,34 @@ class TenantFlow(Base):
     )
 
 
+class DashboardSession(Base):
+    """A signed-in dashboard browser (sqlaob_0009), written by ``sqla_outbox.dashboard``.
+
+    Columns:
+        id: SHA-256 (hex) of the random key the browser's cookie holds; the key itself is
+            stored nowhere.
+        operator: The operator's name (what actions record as ``dashboard:<name>``).
+        method: How they signed in: ``token``, ``user`` (their own token), ``basic``,
+            ``proxy`` (a reverse proxy named them) or ``host`` (the mounting application).
+        credential: A fingerprint (HMAC-SHA256) of the credential that opened the session;
+            a session whose credential changed since (a rotated token) is refused.
+        csrf_token: The session's token for forms.
+        created_at / expires_at: When it began and ends (``dashboard_session_max_age_seconds``
+            later); the dashboard refuses it after ``expires_at`` (database clock) and
+            deletes expired rows when a session is created.
+    """
+
+    __tablename__ = "dashboard_sessions"
+
+    id: Mapped[str] = mapped_column(Text, primary_key=True)
+    operator: Mapped[str] = mapped_column(Text)
+    method: Mapped[str] = mapped_column(Text)
+    credential: Mapped[str] = mapped_column(Text)
+    csrf_token: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+    expires_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, index=True)
+
+
 outbox_messages: Table = OutboxMessage.__table__  # type: ignore[assignment]
 platform_outbox_messages: Table = PlatformOutboxMessage.__table__  # type: ignore[assignment]
 task_runs: Table = TaskRun.__table__  # type: ignore[assignment]
@@ -566,6 +594,7 @@ task_groups: Table = TaskGroup.__table__  # type: ignore[assignment]
 schedule_tenant_slots: Table = ScheduleTenantSlot.__table__  # type: ignore[assignment]
 flow_pauses: Table = FlowPause.__table__  # type: ignore[assignment]
 tenant_flow: Table = TenantFlow.__table__  # type: ignore[assignment]
+dashboard_sessions: Table = DashboardSession.__table__  # type: ignore[assignment]
 
 
 def set_tenant_foreign_key(target: str | Column[Any] | None) -> None:

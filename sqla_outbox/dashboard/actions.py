@@ -40,7 +40,7 @@ from sqla_outbox import errors, flow
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.controls import ControlOutcome
 from sqla_outbox.dashboard.auth import Identity
-from sqla_outbox.ops import cancel, dlq, requeue
+from sqla_outbox.ops import cancel, dlq, requeue, runs
 from sqla_outbox.ops.durations import parse_duration
 from sqla_outbox.ops.runs import RunRecord
 from sqla_outbox.types import QUEUE_NAMES, UNFINISHED_STATUSES
@@ -120,6 +120,9 @@ class Action(abc.ABC):
         confirm_label: The confirmation button's text.
         form_template: A template (in ``sqla_outbox/dashboard/templates``) with the
             action's form for the Controls page; None for actions offered elsewhere.
+        tenant_scoped: The action applies an operator's tenant restriction itself
+            (``context.identity.tenants``: it changes nothing of another tenant); only
+            such actions are offered to an operator restricted to tenants.
     """
 
     name: ClassVar[str]
@@ -128,6 +131,7 @@ class Action(abc.ABC):
     places: ClassVar[frozenset[str]] = frozenset()
     confirm_label: ClassVar[str] = "Confirm"
     form_template: ClassVar[str | None] = None
+    tenant_scoped: ClassVar[bool] = False
 
     def applies_to_run(self, run: RunRecord) -> bool:
         """Whether a run page offers this action for ``run`` (``run`` in :attr:`places`)."""
@@ -222,6 +226,7 @@ class DlqRequeue(Action):
     )
     places = frozenset({"dlq", "run"})
     confirm_label = "Requeue"
+    tenant_scoped = True  # the filters carry the operator's tenants (matched on each run's row)
 
     def __init__(self, queues: tuple[str, ...] = QUEUE_NAMES) -> None:
         self.queues = queues  # the four, plus the catalog's declared queues
@@ -269,12 +274,19 @@ class DlqRequeue(Action):
         )
         return RequeueParams(filters=filters, everything=everything, include_unverified=include_unverified)
 
+    @staticmethod
+    def _filters(context: ActionContext, params: RequeueParams) -> dlq.DeadLetterFilter:
+        """The form's filters, narrowed to the operator's tenants when they are restricted."""
+        if context.identity.tenants is None:
+            return params.filters
+        return dataclasses.replace(params.filters, tenant_ids=context.identity.tenants)
+
     def preview(self, context: ActionContext, params: RequeueParams) -> ActionReport:
         report = requeue.requeue(
             context.engine,
             context.sqs(),
             context.settings,
-            params.filters,
+            self._filters(context, params),
             dry_run=True,
             include_unverified=params.include_unverified,
         )
@@ -285,7 +297,7 @@ class DlqRequeue(Action):
             context.engine,
             context.sqs(),
             context.settings,
-            params.filters,
+            self._filters(context, params),
             dry_run=False,
             waker=context.waker(),
             operator=context.identity.actor,
@@ -354,6 +366,7 @@ class RunsCancel(Action):
     )
     places = frozenset({"run", "runs"})
     confirm_label = "Cancel the runs"
+    tenant_scoped = True  # a restricted operator cancels runs of their tenants only (_cancel)
 
     def __init__(self, tasks: frozenset[str] | None = None) -> None:
         self.tasks = tasks
@@ -410,6 +423,18 @@ class RunsCancel(Action):
 
     @staticmethod
     def _cancel(context: ActionContext, params: CancelParams, *, dry_run: bool) -> cancel.CancelReport:
+        tenants = context.identity.tenants
+        if tenants is not None:  # only their tenants' runs: by id (each checked) or by tenant
+            if params.run_ids:
+                with context.engine.connect() as connection:
+                    found = runs.tenants_of(connection, params.run_ids)
+                if any(found.get(r, None) not in tenants for r in params.run_ids):
+                    raise ActionInputError("you may cancel runs of your tenants only")
+            elif params.tenant_id not in tenants:
+                raise ActionInputError(
+                    f"choose one of your tenants ({', '.join(str(t) for t in sorted(tenants))})",
+                    field="tenant",
+                )
         try:
             return cancel.cancel_runs(
                 context.engine,

@@ -162,6 +162,8 @@ class DeadLetterFilter:
         tasks: Task names (any of). queues: Logical queues whose DLQs are scanned
             (default all ``known``). older_than: Only messages dead-lettered longer ago.
         run_ids: Only these runs.
+        tenant_ids: When not None, only runs of these tenants (never platform runs; a
+            dashboard operator restricted to tenants), matched on the run's row.
         known: Every logical queue: the four, plus the catalog's declared queues
             (:meth:`~sqla_outbox.catalog.Catalog.queue_names`).
     """
@@ -171,6 +173,7 @@ class DeadLetterFilter:
     older_than: dt.timedelta | None = None
     run_ids: frozenset[uuid.UUID] = frozenset()
     known: tuple[str, ...] = QUEUE_NAMES
+    tenant_ids: frozenset[int] | None = None
 
     def scanned_queues(self) -> tuple[str, ...]:
         return tuple(q for q in self.known if not self.queues or q in self.queues)
@@ -187,6 +190,10 @@ class DeadLetterFilter:
             return False
         known = not letter.resolved or letter.run_status is not None
         if self.tasks and (not known or letter.task not in self.tasks):
+            return False
+        if self.tenant_ids is not None and (
+            not letter.resolved or letter.run_status is None or letter.tenant_id not in self.tenant_ids
+        ):
             return False
         if self.older_than is not None:
             age = letter.run_failed_age_seconds if letter.resolved else letter.age_seconds

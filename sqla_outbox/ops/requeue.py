@@ -280,6 +280,8 @@ def _filters_exclude(filters: DeadLetterFilter, run: Any) -> str | None:
     values: a DLQ message's attributes are never consulted)."""
     if filters.tasks and run.task not in filters.tasks:
         return f"task {run.task!r} is not among --task"
+    if filters.tenant_ids is not None and run.tenant_id not in filters.tenant_ids:
+        return "not a run of the tenants this operator may act on"
     if filters.queues and run.queue not in filters.queues:
         return f"queue {run.queue!r} is not among --queue"
     if filters.older_than is not None and (

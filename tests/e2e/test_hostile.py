@@ -281,8 +281,11 @@ def test_dlq_requeue_without_signing_never_runs_a_forged_payload(
         _forge(sqs, queues["critical-dlq"], genuine, reason="permanent-error")  # a made-up verdict
 
         report = cli_json(env, "dlq", "requeue", "--task", "charge_card")
-        assert sorted(item["reason"] for item in report["items"]) == ["no-reason", "unverifiable-body"]
+        assert sorted(item["reason"] for item in report["items"]) == ["no-reason", "unverified"]
         assert report["requeued"] == 0 and status_of(engine, charge.run_id) == "failed"
+        asked = cli_json(env, "dlq", "requeue", "--task", "charge_card", "--include-unverified")
+        assert sorted(item["reason"] for item in asked["items"]) == ["no-reason", "unverifiable-body"]
+        assert asked["requeued"] == 0 and status_of(engine, charge.run_id) == "failed"
 
         # trusting the bodies on request says what it trusts (dry run: nothing changes)
         shown = cli(env, "dlq", "requeue", "--task", "charge_card", "--trust-dlq-body", "--dry-run")

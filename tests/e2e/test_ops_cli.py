@@ -67,6 +67,10 @@ LETTER_KEYS = {
     "age_seconds",
     "run_status",
     "origin",
+    "resolved",
+    "claims",
+    "run_queue",
+    "run_failed_age_seconds",
 }
 
 
