@@ -423,7 +423,7 @@ def test_an_endpoint_edited_after_the_publish_is_delivered_with_its_current_sett
         moved.close()
 
 
-@pytest.mark.parametrize("change", ["disabled", "deleted", "unsubscribed"])
+@pytest.mark.parametrize("change", ["disabled", "deleted", "unsubscribed", "another-tenant"])
 def test_a_disabled_deleted_or_unsubscribed_endpoint_gets_nothing(
     app: sessionmaker[Session],
     engine: sa.Engine,
@@ -441,13 +441,17 @@ def test_a_disabled_deleted_or_unsubscribed_endpoint_gets_nothing(
             webhooks.disable_endpoint(item)
         elif change == "deleted":
             session.delete(item)
+        elif change == "another-tenant":  # a delivery naming another tenant's endpoint
+            item.tenant_id = 2
         else:
             webhooks.update_endpoint(item, events=["order.paid"])
     assert statuses(attempt(app, delivery_settings, registry)) == {str(run_id): "succeeded"}
     assert receiver.requests == []
-    skipped = {"disabled": "endpoint-disabled", "deleted": "endpoint-deleted"}.get(
-        change, "event-unsubscribed"
-    )
+    skipped = {
+        "disabled": "endpoint-disabled",
+        "deleted": "endpoint-deleted",
+        "another-tenant": "endpoint-of-another-tenant",
+    }.get(change, "event-unsubscribed")
     assert support.trail(engine, run_id)[-1].detail["webhook"]["skipped"] == skipped
 
 
