@@ -135,6 +135,44 @@ def test_a_handler_still_running_at_the_12_hour_ceiling_retries_through_the_outb
         process.kill()
 
 
+def test_a_retrying_run_whose_message_is_lost_is_rescued_and_succeeds(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+) -> None:
+    """A run waits for its next try and its message vanishes from SQS (redriven to the DLQ,
+    dropped past the retention, purged): nothing would ever run it again, and ``status``
+    showed nothing. The relay's rescuer finds it past its queue's window (here 1 s x 7 + 1
+    s), with a live worker for it and nothing waiting in the queue, and sends it again."""
+    run_id = dispatch(app, "audit", {"mode": "retry_in", "seconds": 3})
+    process = start_worker(
+        settings,
+        sqs_endpoint,
+        SQLA_OUTBOX_WORKER_RUN_RELAY="true",
+        SQLA_OUTBOX_RELAY_RESCUE_INTERVAL_SECONDS="1",
+        SQLA_OUTBOX_RELAY_RESCUE_MARGIN_SECONDS="1",
+        SQLA_OUTBOX_QUEUE_VISIBILITY_TIMEOUTS="default=1",
+    )
+    try:
+        wait_for(lambda: status_of(engine, run_id) == "retrying", timeout=30)
+        sqs.purge_queue(QueueUrl=queues["default"])  # the only copy is gone
+        wait_for(lambda: status_of(engine, run_id) == "succeeded", timeout=60)
+        [rescued] = process.actions("relay.rescued")
+        assert (rescued["run_id"], rescued["reason"], rescued["status"]) == (
+            str(run_id),
+            "no-live-copy",
+            "retrying",
+        )
+        [step] = [t for t in trail(engine, run_id) if t.detail and "rescued" in t.detail]
+        assert (step.status, step.detail) == ("retrying", {"rescued": "no-live-copy", "from": "retrying"})
+        assert run_row(engine, run_id).attempts == 2 and len(effects(engine, run_id)) == 1
+    finally:
+        process.kill()
+
+
 def cli(settings: OutboxSettings, endpoint: str, *args: str) -> subprocess.CompletedProcess[str]:
     return support.run_cli(support.service_env(settings, endpoint), *args)
 
