@@ -528,20 +528,23 @@ def test_only_failed_runs_are_requeued_the_rest_is_skipped_with_a_reason(
     report = requeue.requeue(engine, sqs, ops_settings, dlq.DeadLetterFilter(), waker=waker)
 
     items = {i.run_id: i for i in report.items}
-    assert (report.requeued, report.skipped, report.woke) == (0, 4, False)
+    assert (report.requeued, report.skipped, report.woke) == (1, 3, True)
     assert (items[succeeded].reason, items[succeeded].detail) == (
         "not-failed",
-        "run is succeeded; only failed runs are requeued",
+        "run is succeeded; only failed and unfinished runs are requeued",
     )
-    assert (items[queued].reason, items[queued].detail) == (
-        "not-failed",
-        "run is queued; only failed runs are requeued",
+    # an unfinished run whose message is in the DLQ has no live copy: it is sent again
+    assert (items[queued].action, items[queued].outbox, items[queued].dlq_deleted) == (
+        "requeued",
+        "rescued",
+        1,
     )
+    assert status_and_sent(engine, queued) == ("queued", False)
     assert items[forgotten].reason == "unknown-run"
     assert items[None].reason == "not-a-run"
-    assert all(i.action == "skipped" and i.dlq_deleted == 0 for i in report.items)
+    assert all(i.action == "skipped" and i.dlq_deleted == 0 for i in report.items if i.run_id != queued)
     assert status_and_sent(engine, succeeded) == ("succeeded", True)
-    assert len(visible_messages(sqs, queues["default-dlq"], expect=4)) == 4  # all left in place
+    assert len(visible_messages(sqs, queues["default-dlq"], expect=3)) == 3  # the others left in place
 
 
 def status_and_sent(engine: sa.Engine, run_id: uuid.UUID) -> tuple[str, bool]:
