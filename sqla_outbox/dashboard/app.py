@@ -336,7 +336,7 @@ class Pages:
             values=query.values,
             rows=rows,
             error=None,
-            list_actions=self.dashboard.actions.in_place("runs"),
+            list_actions=_offered(self.dashboard.actions.in_place("runs"), identity),
             newer=None if newer is None else runs.RunCursor(newer.created_at, newer.run_id).encode(),
             older=None if older is None else runs.RunCursor(older.created_at, older.run_id).encode(),
         )
@@ -373,7 +373,7 @@ class Pages:
             envelope=views.envelope_metadata(envelope),
             payload=views.payload_text(envelope) if payloads else None,
             result=None if result is None else views.pretty_json(result),
-            run_actions=self.dashboard.actions.for_run(detail.run),
+            run_actions=_offered(self.dashboard.actions.for_run(detail.run), identity),
         )
 
     # --- DLQ ----------------------------------------------------------------------------------
@@ -717,6 +717,12 @@ class Pages:
         return self.render(
             request, "error.html", identity, 503, title="Database unavailable", message=message, page="error"
         )
+
+
+def _offered(actions: list[Action], identity: Identity) -> list[Action]:
+    """The actions a page offers ``identity``: an operator restricted to tenants is offered
+    only those that apply the restriction (the others would answer 403)."""
+    return [a for a in actions if identity.tenants is None or a.tenant_scoped]
 
 
 def _raw_filters(request: Request) -> dict[str, str]:

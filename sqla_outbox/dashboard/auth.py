@@ -285,7 +285,8 @@ class Auth:
         elif not self.required and self.identify is not None:
             per_request = self._by_hook(request)
         key = request.cookies.get(SESSION_COOKIE, "")
-        stored = self._session(key) if key else None
+        sessions_used = self.required or self.identify is not None  # anonymous mode has none
+        stored = self._session(key) if key and sessions_used else None
         if per_request is not None:  # a session only carries its CSRF token
             if stored is not None and (stored.method, stored.operator, stored.credential) == (
                 per_request.method,
