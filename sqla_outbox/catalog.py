@@ -248,6 +248,16 @@ class Catalog:
         return cls.load(path).queue_names() if Path(path).exists() else QUEUE_NAMES
 
     @classmethod
+    def queue_registry_at(cls, path: str | Path) -> QueueRegistry:
+        """The queue registry of the catalog file at ``path``; the built-in queues only when
+        there is no file there.
+
+        Raises:
+            CatalogError: The file exists but is not a valid catalog.
+        """
+        return cls.load(path).queue_registry if Path(path).exists() else queues.BUILTIN_REGISTRY
+
+    @classmethod
     def unknown_task_at(cls, path: str | Path, task: str) -> str | None:
         """Why ``task`` is not a task of the catalog file at ``path`` (a sentence naming the
         file), or None when it is, or when there is no file there to ask (operations commands

@@ -439,6 +439,24 @@ class OutboxSettings:
         "(at least 20; no bound while no live worker is recorded). 0: no bound.",
         minimum=0,
     )
+    relay_rescue_interval_seconds: float = setting(
+        60.0,
+        "How often the active relay (the owner of partition 0) looks for unfinished runs with "
+        "no live copy (no pending outbox row, no live lease, and a message SQS can no longer "
+        "be holding) and sends them again through the outbox (docs/lifecycle.md). 0 turns "
+        "the rescuer off.",
+        unit="s",
+        minimum=0,
+        maximum=86_400,
+    )
+    relay_rescue_margin_seconds: float = setting(
+        120.0,
+        "Added to each queue's window before the rescuer counts a run's message lost: the window "
+        "is the queue's visibility timeout x its maxReceiveCount + this margin.",
+        unit="s",
+        minimum=0,
+        maximum=86_400,
+    )
     relay_depth_poll_seconds: float = setting(
         0.2,
         "While a queue is at `relay_queue_depth`, the relay re-reads its depth "

@@ -80,6 +80,7 @@ class RunControlResult:
         was_sent: Cancel only: the run's message had already been sent to SQS (the worker
             acknowledges and skips it).
         available_at: Reschedule only: the new due time (database clock), when moved.
+        external_effects_possible: Derived from ``previous_status`` (below).
     """
 
     run_id: uuid.UUID | None
@@ -89,6 +90,16 @@ class RunControlResult:
     previous_status: str | None = None
     was_sent: bool = False
     available_at: dt.datetime | None = None
+
+    external_effects_possible: bool = dataclasses.field(init=False, default=False)
+    """Whether a handler of this run may already have acted outside the database (sent an
+    e-mail, charged a card): the run was ``running`` (a cancel stops the attempt; what it did
+    before it saw the request stays done) or ``retrying`` (an earlier attempt ran). A cancel
+    rolls back only the work done through ``ctx.session`` (docs/cancellation.md, "What a
+    cancel does not undo")."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "external_effects_possible", self.previous_status in ("running", "retrying"))
 
 
 @dataclasses.dataclass(frozen=True)

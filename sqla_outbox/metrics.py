@@ -112,6 +112,16 @@ HEARTBEAT_FAILURES = Counter(
     "Visibility extensions or lease renewals that failed.",
     ["queue"],
 )
+RUNS_RESCUED = Counter(
+    "sqla_outbox_runs_rescued",
+    "Unfinished runs without a live copy that the relay's rescuer sent again (docs/lifecycle.md).",
+    ["queue", "reason"],
+)
+VISIBILITY_CAP_REACHED = Counter(
+    "sqla_outbox_worker_visibility_cap_reached",
+    "Messages whose handler was still running as SQS's 12-hour visibility ceiling came near.",
+    ["queue"],
+)
 DLQ_SENDS = Counter(
     "sqla_outbox_worker_dlq_sends", "Messages the worker sent to a dead-letter queue.", ["queue", "reason"]
 )
@@ -204,11 +214,13 @@ _RELAY_METRICS = (
     TENANT_THROTTLED_WAIT,
     TENANT_THROTTLED_PASSES,
     RELAY_DEPTH_BOUND,
+    RUNS_RESCUED,
 )
 _WORKER_METRICS = (
     RUNS_FINISHED,
     HANDLER_SECONDS,
     HEARTBEAT_FAILURES,
+    VISIBILITY_CAP_REACHED,
     DLQ_SENDS,
     IN_FLIGHT,
     RUNS_DEFERRED,

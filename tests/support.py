@@ -538,13 +538,13 @@ def receive_all(
 class ServiceProcess:
     """A relay or worker subprocess whose JSON log lines are collected as they come."""
 
-    def __init__(self, args: list[str], env: dict[str, str], name: str) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], name: str, cwd: str | None = None) -> None:
         import json as _json
 
         self._json = _json
         self.name = name
         self.process = subprocess.Popen(
-            args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd
         )
         self.logs: list[dict[str, Any]] = []
         self.raw: list[str] = []

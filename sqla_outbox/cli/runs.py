@@ -299,7 +299,7 @@ def _render_cancel(report: Any) -> None:
     out = console()
     shown = table(
         f"Cancel{' (dry run: nothing changed)' if report.dry_run else ''}",
-        ("run_id", "task", "tenant", "was", "outcome", "message sent"),
+        ("run_id", "task", "tenant", "was", "outcome", "message sent", "handler may have acted"),
     )
     for r in report.results:
         outcome = r.outcome.value
@@ -312,8 +312,15 @@ def _render_cancel(report: Any) -> None:
             ("yes: the worker acknowledges it unrun" if r.was_sent else "no")
             if outcome == "cancelled"
             else "-",
+            styled("yes", "yellow") if r.external_effects_possible else "no",
         )
     out.print(shown)
+    if any(r.external_effects_possible for r in report.results):
+        out.print(
+            "A handler of the runs marked 'handler may have acted' ran (or runs now): what it did "
+            "outside the database before it saw the cancel (an e-mail, a charge) stays done; "
+            "only its ctx.session work rolls back."
+        )
     verb = "would be" if report.dry_run else "were"
     counts = {
         o: sum(1 for r in report.results if r.outcome.value == o) for o in ("cancelled", "stop_requested")

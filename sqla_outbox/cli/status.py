@@ -62,7 +62,7 @@ def status_command(
         from sqla_outbox.ops import status
 
         settings = load_settings(**options)
-        queues = Catalog.queue_names_at(settings.catalog_path)
+        registry = Catalog.queue_registry_at(settings.catalog_path)
         with outbox_connection(settings) as connection:
             report = status.collect(
                 connection,
@@ -70,7 +70,8 @@ def status_command(
                 client=sqs_client(settings) if with_sqs else None,
                 stale_after_seconds=stale_after.total_seconds(),
                 unreceived_after=unreceived_after,
-                queues=queues,
+                queues=registry.names,
+                registry=registry,
             )
         if as_json:
             print_json(jsonable(report))
@@ -111,7 +112,23 @@ def _render_status(report: Any) -> None:
     runs.add_row(styled(parked, "red") if report.parked_count else parked, str(report.parked_count))
     late = f"queued, unreceived > {format_age(report.unreceived_after_seconds)}"
     runs.add_row(styled(late, "red") if report.unreceived_count else late, str(report.unreceived_count))
+    lost = "unfinished, no live copy past its queue's window"
+    runs.add_row(
+        styled(lost, "red") if report.without_live_copy_count else lost, str(report.without_live_copy_count)
+    )
+    runs.add_row("sent again by the rescuer (last 24 h)", str(report.rescued_last_day))
     out.print(runs)
+    if report.without_live_copy:
+        shown = table(
+            "Unfinished runs without a live copy (the relay's rescuer sends them again)",
+            ("run_id", "task", "queue", "tenant", "status", "sent (UTC)", "silent"),
+        )
+        for c in report.without_live_copy:
+            shown.add_row(
+                str(c.run_id), c.task, c.queue, text(c.tenant_id), c.status, when(c.sent_at),
+                format_age(c.silent_seconds),
+            )  # fmt: skip
+        out.print(shown)
     if report.stale_running:
         shown = table(
             "Stale running runs", ("run_id", "task", "queue", "tenant", "lease owner", "lease expired")

@@ -272,6 +272,7 @@ RETURNING 1
         bindparam("traceback", type_=Text),
         bindparam("detail", type_=Text),
         bindparam("result", type_=Text),
+        bindparam("backoff", type_=Float),
     ]
     return text(sql).bindparams(*(b for b in binds if f":{b.key}" in sql))
 
@@ -279,7 +280,10 @@ RETURNING 1
 _ERROR_SET = ", last_error_type = :error_type, last_error = :error_message"
 _SUCCEED = _transition("succeeded", ", finished_at = clock_timestamp(), result = CAST(:result AS jsonb)")
 _CANCEL = _transition("cancelled", ", finished_at = clock_timestamp()", cancel_requested=True)
-_RETRY = _transition("retrying", _ERROR_SET)
+_RETRY = _transition(
+    "retrying",
+    _ERROR_SET + ", available_at = clock_timestamp() + make_interval(secs => CAST(:backoff AS float8))",
+)
 _FAIL = _transition("failed", ", finished_at = clock_timestamp()" + _ERROR_SET)
 _REQUEUE = _transition("queued", "")
 
@@ -382,6 +386,32 @@ def cancel_requests(connection: Connection, run_ids: Sequence[uuid.UUID]) -> set
     return {row[0] for row in connection.execute(_CANCEL_REQUESTS, {"run_ids": list(run_ids)})}
 
 
+_RETRY_ROW = {
+    table: text(
+        f"UPDATE {table} SET sent_at = NULL, "
+        "available_at = clock_timestamp() + make_interval(secs => :delay) "
+        "WHERE run_id = :run_id AND parked_at IS NULL RETURNING id"
+    ).bindparams(bindparam("run_id", type_=UUID(as_uuid=True)), bindparam("delay", type_=Float))
+    for table in columns.OUTBOX_TABLES
+}
+_RETRY_REINSERT = {
+    table: text(
+        columns.outbox_from_run(
+            table,
+            where="r.run_id = :run_id AND r.tenant_id IS "
+            + ("NOT NULL" if table == "outbox_messages" else "NULL"),
+            envelope="CAST(:document AS jsonb)",
+            available_at="clock_timestamp() + make_interval(secs => :delay)",
+        )
+    ).bindparams(
+        bindparam("run_id", type_=UUID(as_uuid=True)),
+        bindparam("delay", type_=Float),
+        bindparam("document", type_=Text),
+    )
+    for table in columns.OUTBOX_TABLES
+}
+
+
 def mark_retrying(
     connection: Connection,
     attempt: Attempt,
@@ -389,14 +419,46 @@ def mark_retrying(
     *,
     backoff_seconds: float,
     detail: dict[str, Any] | None = None,
+    via_outbox: bool = False,
+    document: str | None = None,
 ) -> bool:
-    """``running → retrying`` with the error; False when the attempt no longer holds the run.
+    """``running → retrying`` with the error, due again after ``backoff_seconds``
+    (``available_at``: a copy received before then is an early copy and waits); False when
+    the attempt no longer holds the run.
 
     Args:
+        backoff_seconds: Seconds until the next try, 0..43,200.
         detail: The handler's ``ctx.trail_detail``; ``backoff_seconds`` wins over its key.
+        via_outbox: The next try comes as a fresh message: the run's outbox row is pending
+            again, due after the delay (written again from the run and ``document`` if it
+            was purged), in the same transaction; the caller then deletes the received
+            message. For a delay the received message cannot stay hidden for (SQS's
+            12-hour ceiling, a stale receipt handle).
+        document: The received envelope as JSON text; required with ``via_outbox``.
     """
     merged = {**(detail or {}), "backoff_seconds": round(backoff_seconds, 3)}
-    return connection.execute(_RETRY, _params(attempt, failure, merged)).first() is not None
+    if via_outbox:
+        merged["via"] = "outbox"
+    params = _params(attempt, failure, merged)
+    params["backoff"] = backoff_seconds
+    if connection.execute(_RETRY, params).first() is None:
+        return False
+    if via_outbox:
+        assert document is not None, "a retry through the outbox needs the received envelope"
+        pend_for_retry(connection, attempt.run_id, delay_seconds=backoff_seconds, document=document)
+    return True
+
+
+def pend_for_retry(connection: Connection, run_id: uuid.UUID, *, delay_seconds: float, document: str) -> None:
+    """The run's outbox row pending again, due after ``delay_seconds`` (the next try comes as a
+    fresh message); written again from the run and ``document`` (the received envelope, JSON
+    text) when ``maintenance.purge`` removed it. Part of ``running → retrying`` through the
+    outbox (:func:`mark_retrying`), or right after it when hiding the received message was
+    refused (a stale receipt handle)."""
+    params = {"run_id": run_id, "delay": delay_seconds, "document": document}
+    if not any(connection.execute(_RETRY_ROW[table], params).first() for table in columns.OUTBOX_TABLES):
+        for table in columns.OUTBOX_TABLES:  # purged (sent long ago): from the run and the envelope
+            connection.execute(_RETRY_REINSERT[table], params)
 
 
 def mark_failed(

@@ -205,6 +205,15 @@ def failure_delay(
     return computed
 
 
+def hideable(delay_seconds: float, visibility_left_seconds: float) -> bool:
+    """Whether a received message can wait ``delay_seconds`` hidden. SQS keeps a message
+    hidden at most until 12 hours after its first receive (SQS ChangeMessageVisibility);
+    ``visibility_left_seconds`` is what is left of that. With less than a second left,
+    nothing is hideable: asking for visibility 0 near the ceiling would make every further
+    try run back to back. A wait that cannot be given this way goes through the outbox."""
+    return delay_seconds <= visibility_left_seconds and visibility_left_seconds >= 1
+
+
 def send_delay(failed_sends: int, *, base_seconds: float, max_seconds: float) -> float:
     """Seconds the relay waits before sending a row again after SQS failed it.
 

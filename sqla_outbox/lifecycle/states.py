@@ -148,6 +148,13 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(
         "queued", "failed", (_R,), "sending.park", "SQS refused the message for good (the row is parked)"
     ),
+    Transition(
+        "running",
+        "queued",
+        (_R, _O),
+        "rescue.rescue",
+        "the rescuer sends again a run whose lease expired and whose message is gone",
+    ),
     Transition("queued", "cancelled", (_A, _O), "controls.cancel_statement", "a committed Cancel"),
     Transition("retrying", "cancelled", (_A, _O), "controls.cancel_statement", "a committed Cancel"),
     Transition(

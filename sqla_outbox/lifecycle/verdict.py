@@ -15,7 +15,9 @@ exactly as production does. The rules, in order:
    try (:func:`~sqla_outbox.lifecycle.retry.exhausted`) → ``fail`` with reason
    ``retries-exhausted``; otherwise → ``retry`` after
    :func:`~sqla_outbox.lifecycle.retry.failure_delay` (the backoff; ``Retry``'s delay
-   replaces it; a webhook receiver's ``Retry-After`` lengthens it).
+   replaces it; a webhook receiver's ``Retry-After`` lengthens it), through the received
+   message's visibility when it can stay hidden that long, else through the outbox (a
+   fresh message, due after the delay; no try is spent on the switch).
 
 Before an attempt starts, :func:`before_attempt` fails a delivery that was received more
 often than the run has tries (``receive-limit``).
@@ -56,6 +58,13 @@ class Kind(enum.StrEnum):
     DEFER = "defer"  # running → queued through the outbox after delay_seconds, attempt not counted
 
 
+class Via(enum.StrEnum):
+    """How a RETRY's message comes back after its delay."""
+
+    VISIBILITY = "visibility"  # the received message, hidden for the delay (ChangeMessageVisibility)
+    OUTBOX = "outbox"  # a fresh message: the outbox row pending again, due after the delay
+
+
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """The decision on one attempt.
@@ -66,6 +75,11 @@ class Verdict:
             (recorded in the trail's ``detail.reason`` and the DLQ message's ``reason``);
             for DEFER: :data:`OUTAGE_DEFERRAL` (the trail's ``detail.deferred``).
         delay_seconds: For RETRY and DEFER: seconds until the next try (0..43,200).
+        via: For RETRY: :attr:`Via.VISIBILITY` when the received message can stay hidden
+            that long, else :attr:`Via.OUTBOX` (SQS hides a message at most 12 hours after
+            its first receive, and a copy received elsewhere since has a stale handle:
+            never ask for visibility 0, which would make the remaining tries run back to
+            back).
         breaker_outcome: ``success``, ``failure``, ``neutral`` or ``refund`` (the attempt
             never ran: its admission is given back) for the task's breaker.
         error: The exception the attempt raised (None on success).
@@ -74,6 +88,7 @@ class Verdict:
     kind: Kind
     reason: str | None = None
     delay_seconds: float = 0.0
+    via: Via = Via.VISIBILITY
     breaker_outcome: str = "success"
     error: BaseException | None = None
 
@@ -84,7 +99,7 @@ def decide(
     *,
     receive_count: int,
     attempt: int,
-    ceiling_seconds: float = SQS_MAX_VISIBILITY_SECONDS,
+    visibility_left_seconds: float = SQS_MAX_VISIBILITY_SECONDS,
     rng: random.Random | None = None,
 ) -> Verdict:
     """The verdict on an attempt that returned (``error`` None) or raised ``error``.
@@ -95,8 +110,9 @@ def decide(
         rules: The task's :class:`~sqla_outbox.lifecycle.retry.RetryRules`.
         receive_count: SQS ``ApproximateReceiveCount`` of the delivery (1 for the first).
         attempt: The run's attempt number (``task_runs.attempts`` after the lease).
-        ceiling_seconds: The longest delay the caller can give the next try (the worker:
-            what SQS still allows the message to stay hidden).
+        visibility_left_seconds: How long the received message can still be hidden
+            (the worker: what SQS's 12-hour ceiling leaves, from the message's first
+            receive); a longer delay retries through the outbox (:attr:`Via.OUTBOX`).
         rng: Random source for the backoff's jitter (tests pass a seeded one).
 
     Returns:
@@ -111,10 +127,9 @@ def decide(
         return Verdict(Kind.FAIL, reason="retries-exhausted", breaker_outcome="failure", error=error)
     requested = error.delay_seconds if isinstance(error, errors.Retry) else None
     at_least = error.retry_after_seconds if isinstance(error, errors.WebhookFailed) else None
-    delay = retry.failure_delay(
-        spent, rules, requested=requested, at_least=at_least, ceiling=ceiling_seconds, rng=rng
-    )
-    return Verdict(Kind.RETRY, delay_seconds=delay, breaker_outcome="failure", error=error)
+    delay = retry.failure_delay(spent, rules, requested=requested, at_least=at_least, rng=rng)
+    via = Via.VISIBILITY if retry.hideable(delay, visibility_left_seconds) else Via.OUTBOX
+    return Verdict(Kind.RETRY, delay_seconds=delay, via=via, breaker_outcome="failure", error=error)
 
 
 def before_attempt(receive_count: int, rules: retry.RetryRules) -> Verdict | None:

@@ -83,6 +83,7 @@ from sqlalchemy.exc import IntegrityError
 from sqla_outbox import envelope
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.lifecycle import operator as operator_changes
+from sqla_outbox.lifecycle import rescue
 from sqla_outbox.logging import log_extra
 from sqla_outbox.ops.dlq import (
     NO_REASON,
@@ -183,8 +184,10 @@ class RequeueItem:
         detail: A sentence for humans (the status found, the run holding the key, ...).
         source: ``dlq`` (found through a DLQ message) or ``database`` (``--run-id``
             whose DLQ message was not found).
-        outbox: ``reset`` (the row was made pending again) or ``recreated`` (from the
-            DLQ body after a purge); None when skipped.
+        outbox: ``reset`` (the row was made pending again), ``recreated`` (from the
+            DLQ body after a purge), or ``rescued`` (the run was not failed but had no live
+            copy: sent again as the rescuer does, :mod:`sqla_outbox.lifecycle.rescue`);
+            None when skipped.
         body_origin: For ``recreated``: ``verified`` (the body's signature checked out) or
             ``unchecked`` (no signing keys; trusted because ``trust_dlq_body`` was given).
         dlq_message_ids: The run's DLQ messages used (copies included).
@@ -350,8 +353,21 @@ def requeue_run(
         excluded = _filters_exclude(filters, run)
         if excluded:
             return _skip(item, FILTERED_OUT, excluded)
+    if run.status in UNFINISHED_STATUSES:
+        # not failed, yet its message is in the DLQ (SQS redrove it, or it was lost to the
+        # 12-hour ceiling) or an operator names it: reconcile by sending it again through the
+        # outbox, unless a worker holds its lease or its row is pending (it has a live copy)
+        why = "in-dlq" if source == "dlq" else "operator"
+        if rescue.rescue(connection, [(run_id, why)], by=operator or operator_id()):
+            item.outbox = "rescued"
+            return item
+        return _skip(
+            item,
+            NOT_FAILED,
+            f"run is {run.status} with a live copy (a worker holds its lease, or its outbox row is pending)",
+        )
     if run.status != "failed":
-        return _skip(item, NOT_FAILED, f"run is {run.status}; only failed runs are requeued")
+        return _skip(item, NOT_FAILED, f"run is {run.status}; only failed and unfinished runs are requeued")
     if run.idempotency_key is not None:
         holder = connection.execute(
             _HOLDER,

@@ -45,9 +45,11 @@ from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection, Engine
 
 from sqla_outbox.lifecycle import operator as operator_changes
+from sqla_outbox.lifecycle import rescue
 from sqla_outbox.logging import log_extra
 from sqla_outbox.ops import requeue
 from sqla_outbox.ops.requeue import operator_id
+from sqla_outbox.types import UNFINISHED_STATUSES
 from sqla_outbox.wakeup import Waker
 
 logger = logging.getLogger(__name__)
@@ -122,7 +124,8 @@ WHERE {_UNRECEIVED_WHERE}
 _LOCK = text(
     f"""
 SELECT r.run_id, r.task, r.queue, r.tenant_id, r.status, r.idempotency_key, r.attempts,
-       r.updated_at, o.tbl, o.id, o.sent_at, o.parked_at
+       r.updated_at, o.tbl, o.id, o.sent_at, o.parked_at,
+       COALESCE(r.lease_expires_at > clock_timestamp(), false) AS lease_live
 FROM task_runs AS r JOIN ({_OUTBOX}) AS o ON o.run_id = r.run_id
 WHERE r.run_id = :run_id
 FOR UPDATE OF r
@@ -207,7 +210,8 @@ class ResendItem:
         action: ``unparked`` / ``resent`` (or ``would-unpark`` / ``would-resend`` in a dry
             run), or ``skipped``.
         reason: Why it was skipped: ``unknown-run``, ``not-parked``, ``not-failed``,
-            ``not-queued``, ``not-sent``, ``too-recent``, ``idempotency-conflict``.
+            ``not-queued``, ``not-sent``, ``too-recent``, ``idempotency-conflict``, and for a
+            run named with ``--run-id``: ``finished``, ``leased``, ``changed``.
         detail: A sentence for humans.
     """
 
@@ -327,6 +331,13 @@ def resend_unreceived(
 ) -> ResendReport:
     """Make the sent rows of unreceived ``queued`` runs pending again (see the module docstring).
 
+    A run named in ``selection.run_ids`` is sent again whatever its unfinished status and
+    however recent its message (an operator who knows its message is gone, in a DLQ or
+    lost): ``queued``, ``retrying``, or ``running`` with an expired lease; its outbox row
+    pending and due now, a ``running`` run back to ``queued``
+    (:func:`sqla_outbox.lifecycle.rescue.rescue`, reason ``operator``). A finished run, a
+    run whose lease a worker holds, or one whose row is already pending is skipped.
+
     Args:
         engine: Engine of the outbox database; one transaction per run.
         selection: Which runs (named runs that do not qualify are reported as skipped).
@@ -342,8 +353,16 @@ def resend_unreceived(
     """
     with engine.connect() as connection:
         found = [run.run_id for run in unreceived(connection, older_than=older_than, selection=selection)]
-    options = {"older_than": older_than.total_seconds()}
-    return _apply(engine, _wanted(found, selection), dry_run, waker, _resend_one, options)
+    unreceived_runs = set(found)
+
+    def one(connection: Connection, run_id: uuid.UUID, *, older_than: float) -> ResendItem:
+        if run_id in unreceived_runs:
+            return _resend_one(connection, run_id, older_than=older_than)
+        return _send_named_again(connection, run_id)  # named with --run-id
+
+    return _apply(
+        engine, _wanted(found, selection), dry_run, waker, one, {"older_than": older_than.total_seconds()}
+    )
 
 
 def _wanted(found: list[uuid.UUID], selection: Selection) -> list[uuid.UUID]:
@@ -438,6 +457,27 @@ def _unpark_one(connection: Connection, run_id: uuid.UUID) -> ResendItem:
     operator_changes.run_to_queued(connection, run_id)
     _trail(connection, row, {"unparked_by": "operator", "from": "failed"})
     item.action = UNPARKED
+    return item
+
+
+def _send_named_again(connection: Connection, run_id: uuid.UUID) -> ResendItem:
+    """An operator named the run: send it again if it is unfinished and nobody holds it."""
+    item, row = _lock(connection, run_id)
+    if row is None:
+        return item
+    if row.status not in UNFINISHED_STATUSES:
+        item.reason, item.detail = "finished", f"run is {row.status}; only unfinished runs are sent again"
+        return item
+    if row.sent_at is None:
+        item.reason, item.detail = "not-sent", "its outbox row is pending: the relay sends it"
+        return item
+    if row.status == "running" and row.lease_live:
+        item.reason, item.detail = "leased", "a worker holds its lease: it is running now"
+        return item
+    if not rescue.rescue(connection, [(run_id, "operator")], by=operator_id()):
+        item.reason, item.detail = "changed", "the run changed while it was being sent again"
+        return item
+    item.action = RESENT
     return item
 
 

@@ -43,8 +43,11 @@ from sqlalchemy.engine import Connection
 
 from sqla_outbox import flow, presence
 from sqla_outbox.config import OutboxSettings
+from sqla_outbox.lifecycle import rescue
 from sqla_outbox.ops import resend
+from sqla_outbox.queues import BUILTIN_REGISTRY, QueueRegistry
 from sqla_outbox.relay import partitions
+from sqla_outbox.relay import rescue as relay_rescue
 from sqla_outbox.sqs.client import error_code
 from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
 from sqla_outbox.worker import gate
@@ -189,6 +192,11 @@ class StatusReport:
             disagree (each relay's value is in ``relays``).
         relays: The running relays: the active one, or with partitions every relay and
             what it owns, with the due rows of its partitions.
+        without_live_copy_count / without_live_copy: Unfinished runs whose sent message
+            shows no sign of life past their queue's window (the relay's rescuer sends them
+            again when their queue has no backlog and a worker serves them, or their message
+            is past the retention: docs/lifecycle.md), and up to ``stale_limit`` of them.
+        rescued_last_day: Runs the rescuer sent again in the last 24 hours.
     """
 
     database_time: dt.datetime
@@ -210,6 +218,9 @@ class StatusReport:
     throttled: list[flow.ThrottledTenant] = dataclasses.field(default_factory=list)
     relay_partitions: int | None = None
     relays: list[partitions.ActiveRelay] = dataclasses.field(default_factory=list)
+    without_live_copy_count: int = 0
+    without_live_copy: list[rescue.Candidate] = dataclasses.field(default_factory=list)
+    rescued_last_day: int = 0
 
 
 def pending_rows(connection: Connection) -> list[PendingRows]:
@@ -310,6 +321,7 @@ def collect(
     unreceived_after: dt.timedelta = resend.DEFAULT_UNRECEIVED_AFTER,
     with_valkey: bool = True,
     queues: Sequence[str] = QUEUE_NAMES,
+    registry: QueueRegistry = BUILTIN_REGISTRY,
 ) -> StatusReport:
     """Take the whole report.
 
@@ -323,6 +335,8 @@ def collect(
         with_valkey: Read the flow-control state from Valkey (``valkey_url``).
         queues: Logical queues whose depths are read (the catalog's
             :meth:`~sqla_outbox.catalog.Catalog.queue_names` includes declared ones).
+        registry: The queues' properties, for the rescuer's windows
+            (:meth:`~sqla_outbox.catalog.Catalog.queue_registry`).
 
     Raises:
         sqlalchemy.exc.DBAPIError: The database could not be read.
@@ -331,7 +345,16 @@ def collect(
     count, stale = stale_running(connection, stale_after_seconds=stale_after_seconds, limit=stale_limit)
     workers = presence.live_workers(connection)
     listed = resend.Selection(limit=stale_limit)
+    silent = rescue.candidates(
+        connection,
+        windows=relay_rescue.windows(registry, settings),
+        retention_seconds=settings.sqs_message_retention_seconds,
+        limit=10_000,
+    )
     return StatusReport(
+        without_live_copy_count=len(silent),
+        without_live_copy=silent[:stale_limit],
+        rescued_last_day=rescue.rescued_since(connection, 86_400),
         parked_count=resend.parked_count(connection),
         parked=resend.parked_runs(connection, listed),
         unreceived_after_seconds=unreceived_after.total_seconds(),

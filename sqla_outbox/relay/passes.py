@@ -160,6 +160,17 @@ class PassRunner:
                 )
         return self._depth
 
+    def visible_messages(self, queue: str) -> int | None:
+        """SQS's ``ApproximateNumberOfMessages`` of ``queue``; None when it cannot be read
+        (or an injected sender came without a ``depth_reader``)."""
+        self.sender  # noqa: B018 (builds the default depth reader with the client)
+        if self._depth_reader is None:
+            return None
+        try:
+            return int(self._depth_reader(queue))
+        except Exception:
+            return None
+
     # --- the pass ------------------------------------------------------------------------
     def pass_once(self, connection: Connection) -> PassResult:
         """Claim, send and mark one batch per table in one transaction."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from sqla_outbox import backoff, engines, metrics, migrations
+from sqla_outbox import backoff, engines, metrics, migrations, presence
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.logging import error_fields, log_extra
@@ -29,6 +29,7 @@ from sqla_outbox.relay import claim, passes
 from sqla_outbox.relay.fair import FairClaimer
 from sqla_outbox.relay.listen import NotifyListener, forward_wake
 from sqla_outbox.relay.partitions import RELAY_APPLICATION_PREFIX, Ownership
+from sqla_outbox.relay.rescue import Rescuer
 from sqla_outbox.relay.schedule import Scheduler
 from sqla_outbox.relay.send import Sender
 from sqla_outbox.wakeup import WakeListener
@@ -127,6 +128,7 @@ class Relay(passes.PassRunner):
         """Pass again at once, for the relay's own reasons (a full batch, a scheduled run)."""
         self._thread: threading.Thread | None = None
         self.scheduler = _make_scheduler(settings, catalog)
+        self.rescuer = Rescuer(settings, self.queues, name=self.name)
         self._next_slot_at: float | None = None
         self._backoff = backoff.Doubling(0.5, 10.0)
         """Wait between passes that failed in the database or stalled on SQS."""
@@ -286,6 +288,8 @@ class Relay(passes.PassRunner):
                     if self.scheduler.tick(connection):
                         self._again = True
                     self._plan_next_slot(connection)
+                if self.ownership.runs_singletons and self.rescuer.due() and self._rescue(connection):
+                    self._again = True
                 if result.full:
                     self._again = True
         finally:
@@ -377,6 +381,9 @@ class Relay(passes.PassRunner):
                     timeout = min(timeout, 0.02)
             if self._next_slot_at is not None and self.ownership.runs_singletons:
                 timeout = min(timeout, max(self._next_slot_at - time.monotonic(), 0.0))
+            rescue_in = self.rescuer.seconds_until_due() if self.ownership.runs_singletons else None
+            if rescue_in is not None:
+                timeout = min(timeout, rescue_in)
             if self.ownership.count > 1:
                 timeout = min(timeout, max(self._rebalance_at - time.monotonic(), 0.0))
             if not self._wake.wait(timeout):
@@ -386,6 +393,16 @@ class Relay(passes.PassRunner):
             self._stop.wait(hold)  # the last wake found nothing: a flood is not served faster
         self._wake.clear()
         return True
+
+    def _rescue(self, connection: Connection) -> int:
+        """One round of the rescuer (:mod:`sqla_outbox.relay.rescue`); returns runs rescued."""
+        if self.holder is not None:
+            self.holder.refresh(connection, self.ownership.params())
+            coverage = self.holder.coverage
+        else:
+            coverage = presence.Coverage.of(presence.live_workers(connection))
+        connection.commit()
+        return self.rescuer.round(connection, coverage=coverage, visible=self.visible_messages).rescued
 
     def _slot_due(self) -> bool:
         return self._next_slot_at is None or time.monotonic() >= self._next_slot_at

@@ -88,6 +88,25 @@ def is_unreachable(exc: BaseException) -> bool:
     )
 
 
+STALE_HANDLE_CODES = frozenset(
+    {
+        "ReceiptHandleIsInvalid",
+        "InvalidParameterValue",
+        "MessageNotInflight",
+        "AWS.SimpleQueueService.MessageNotInflight",
+    }
+)
+"""What ChangeMessageVisibility answers for a receipt handle that can no longer change its
+message: a later receive made it stale, the message was deleted, or the new visibility
+would end past 12 hours after the first receive (SQS ChangeMessageVisibility)."""
+
+
+def is_stale_handle(exc: BaseException) -> bool:
+    """True when ``exc`` is SQS refusing a visibility change for a stale receipt handle
+    (:data:`STALE_HANDLE_CODES`)."""
+    return error_code(exc) in STALE_HANDLE_CODES
+
+
 def is_missing_queue(exc: BaseException) -> bool:
     """True when ``exc`` says the queue does not exist."""
     return error_code(exc) in {

@@ -40,6 +40,7 @@ class InFlight:
             (:class:`~sqla_outbox.worker.gate.Admission`).
         limit_outcome: How the attempt ends for the gate (``success``, ``failure``,
             ``neutral``; None: not executed, the admission is refunded).
+        cap_reported: The heartbeat said SQS's 12-hour ceiling is near for this message.
     """
 
     queue: str
@@ -61,6 +62,7 @@ class InFlight:
     stop_requested: asyncio.Event | None = None
     admission: Any = None
     limit_outcome: str | None = None
+    cap_reported: bool = False
 
     def hideable_seconds(self, wanted: float, *, now: float | None = None) -> float:
         """``wanted`` seconds of visibility, cut to what SQS still allows for this message.

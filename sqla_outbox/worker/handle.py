@@ -162,7 +162,7 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
             detail={"paused": str(paused)},
         )
         if deferred.claim is not None:
-            await _settle_unclaimed(runtime, flight, deferred.claim)
+            await _settle_unclaimed(runtime, flight, deferred.claim, env)
         return
     definition = runtime.registry.tasks.get(env.task)
     if definition is None:  # e.g. old code during a rolling deploy: leave it to a worker that has it
@@ -170,7 +170,7 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
             runtime, flight, env, reason="no-handler", delay_seconds=retry.no_handler_delay
         )
         if deferred.claim is not None:
-            await _settle_unclaimed(runtime, flight, deferred.claim)
+            await _settle_unclaimed(runtime, flight, deferred.claim, env)
         return
     if definition.limits.any:
         verdict = await runtime.io(runtime.gate.admit, env.task, definition.limits, env.run_id)
@@ -207,7 +207,7 @@ async def _throttled(
         runtime, flight, env, reason=verdict.reason, delay_seconds=delay, detail={"throttled": verdict.reason}
     )
     if deferred.claim is not None:
-        await _settle_unclaimed(runtime, flight, deferred.claim)
+        await _settle_unclaimed(runtime, flight, deferred.claim, env)
 
 
 async def _claim_and_run(
@@ -224,7 +224,7 @@ async def _claim_and_run(
         queue=env.queue,
     )
     if claim.status is not attempts.ClaimStatus.CLAIMED:
-        await _settle_unclaimed(runtime, flight, claim)
+        await _settle_unclaimed(runtime, flight, claim, env)
         return
 
     flight.attempt, flight.leased = claim.attempt, True
@@ -232,12 +232,14 @@ async def _claim_and_run(
     rules = definition.retry_rules(runtime.settings)
     refused = verdict.before_attempt(flight.receive_count, rules)
     if refused is not None:
-        await _apply(runtime, flight, attempt, refused, trace=None)
+        await _apply(runtime, flight, attempt, refused, trace=None, document=env.encode())
         return
     await _execute(runtime, flight, env, definition, attempt, rules)
 
 
-async def _settle_unclaimed(runtime: Runtime, flight: InFlight, claim: attempts.Claim) -> None:
+async def _settle_unclaimed(
+    runtime: Runtime, flight: InFlight, claim: attempts.Claim, env: envelope.Envelope
+) -> None:
     """A delivery that did not get the run: foreign, a copy of a finished run, or a copy of
     a run another worker holds."""
     status = claim.status
@@ -281,19 +283,36 @@ async def _settle_unclaimed(runtime: Runtime, flight: InFlight, claim: attempts.
             await _send_to_dlq(runtime, flight, reason="completed-after-interruption", failure=None)
         return
     if status is attempts.ClaimStatus.NOT_DUE:
-        await _early_copy(runtime, flight, claim.due_in_seconds)
+        await _early_copy(runtime, flight, claim.due_in_seconds, env)
         return
     if status is attempts.ClaimStatus.LEASED:
         runtime.counters.duplicates_held += 1
-        hide = flight.hideable_seconds(claim.lease_remaining_seconds + 2)
+        needed = claim.lease_remaining_seconds + 2
+        hide = flight.hideable_seconds(needed)
+        if hide >= needed and await runtime.io(
+            runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, hide
+        ):
+            _log(
+                logging.INFO,
+                "run leased by another worker; copy hidden",
+                "worker.leased_elsewhere",
+                flight,
+                hide_s=hide,
+            )
+            return
+        # SQS cannot keep this copy hidden as long as the lease needs (its 12-hour ceiling)
+        # or no longer lets this handle hide it: visibility 0 would bring it back at once,
+        # again and again, into the DLQ. The worker holding the lease gives the verdict; if
+        # it vanishes, the rescuer sends the run again (docs/lifecycle.md).
         _log(
             logging.INFO,
-            "run leased by another worker; copy hidden",
-            "worker.leased_elsewhere",
+            "copy of a leased run deleted: SQS cannot hide it until the lease ends",
+            "worker.copy_dropped",
             flight,
-            hide_s=hide,
+            lease_left_s=round(claim.lease_remaining_seconds, 1),
+            hideable_s=round(hide, 1),
         )
-        await runtime.io(runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
+        runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
 
 
 async def _execute(
@@ -353,7 +372,7 @@ async def _execute(
         rules,
         receive_count=flight.receive_count,
         attempt=attempt.attempt,
-        ceiling_seconds=flight.hideable_seconds(SQS_MAX_VISIBILITY_SECONDS),
+        visibility_left_seconds=flight.hideable_seconds(SQS_MAX_VISIBILITY_SECONDS),
     )
     flight.limit_outcome = decided.breaker_outcome
     if decided.breaker_outcome == "failure" and flight.admission is not None:
@@ -362,7 +381,7 @@ async def _execute(
         await _defer_failed_attempt(runtime, flight, env, attempt, decided, trace=trace)
         return
     if decided.kind is not verdict.Kind.SUCCEED:
-        await _apply(runtime, flight, attempt, decided, trace=trace)
+        await _apply(runtime, flight, attempt, decided, trace=trace, document=env.encode())
         return
     flight.verdict = "succeeded"
     runtime.counters.succeeded += 1
@@ -443,12 +462,20 @@ async def _apply(
     decided: verdict.Verdict,
     *,
     trace: str | None,
+    document: str,
 ) -> None:
     """Record a RETRY or FAIL verdict (:mod:`sqla_outbox.lifecycle.verdict`), then tell SQS:
-    hide the message until the next try, or send it to the DLQ."""
+    hide the message until the next try, delete it (a retry through the outbox), or send it
+    to the DLQ.
+
+    Args:
+        document: The received envelope as JSON text (a retry through the outbox may have
+            to write the run's outbox row again from it).
+    """
     assert decided.error is not None
     failure = attempts.Failure.from_exception(decided.error, trace)
     detail = _handler_detail(flight)
+    outbox = decided.via is verdict.Via.OUTBOX
     if decided.kind is verdict.Kind.FAIL:
         assert decided.reason is not None
         reason = decided.reason
@@ -460,7 +487,13 @@ async def _apply(
         moved = await runtime.io(
             runtime.in_transaction,
             lambda conn: attempts.mark_retrying(
-                conn, attempt, failure, backoff_seconds=decided.delay_seconds, detail=detail
+                conn,
+                attempt,
+                failure,
+                backoff_seconds=decided.delay_seconds,
+                detail=detail,
+                via_outbox=outbox,
+                document=document,
             ),
         )
     if not moved:
@@ -478,10 +511,30 @@ async def _apply(
             attempt=attempt.attempt,
             error_type=failure.error_type,
             backoff_s=round(decided.delay_seconds, 2),
+            via=decided.via.value,
         )
-        await runtime.io(
+        if not outbox and not await runtime.io(
             runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, decided.delay_seconds
-        )
+        ):
+            # the handle went stale while the handler ran (the message was received again
+            # elsewhere, or reached SQS's 12-hour ceiling): the copy in SQS is not ours to
+            # hide, and may be in the DLQ already; the next try comes from the outbox
+            run_id, delay = attempt.run_id, decided.delay_seconds
+            await runtime.io(
+                runtime.in_transaction,
+                lambda conn: attempts.pend_for_retry(conn, run_id, delay_seconds=delay, document=document),
+            )
+            outbox = True
+            _log(
+                logging.INFO,
+                "the message could not be hidden; the next try comes from the outbox",
+                "worker.retry_via_outbox",
+                flight,
+                attempt=attempt.attempt,
+            )
+        if outbox:
+            runtime.wake_relay()
+            runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
         return
     flight.verdict = "failed"
     runtime.counters.failed += 1
@@ -567,19 +620,25 @@ be the relay's own message, sent as the database clock stepped back, whose ``sen
 not committed yet (PostgreSQL ``clock_timestamp()`` follows the system clock)."""
 
 
-async def _early_copy(runtime: Runtime, flight: InFlight, due_in_seconds: float) -> None:
+async def _early_copy(
+    runtime: Runtime, flight: InFlight, due_in_seconds: float, env: envelope.Envelope
+) -> None:
     """A message for a run that is not due yet: the relay sends a run only once it is due,
-    so this is a copy (someone resent a delayed run's message). It never runs early, and
-    it spends none of the run's attempts nor receives of the run's own message (SQS counts
-    every receive toward the redrive limit):
+    and a retry's message comes back only at its next try, so this is a copy (a resent or
+    replayed message, a duplicate). It never runs early, and it spends none of the run's
+    attempts nor receives of the run's own message (SQS counts every receive toward the
+    redrive limit):
 
     * due within :data:`EARLY_COPY_HIDE_SECONDS`: hidden until the due time, then handled
       again (one more receive of this copy only);
     * later, while the run's outbox row is pending: the relay sends the run's own message
       at its due time, so the copy is deleted (hiding it for hours would spend a receive of
       it every 12 hours, the SQS visibility limit);
-    * later, with the row already sent (a clock stepped back, a row edited by hand):
-      hidden until the due time.
+    * later, with the row already sent (a retry's message in SQS, a clock stepped back):
+      hidden until the due time;
+    * whenever SQS cannot hide it that long (its 12-hour ceiling from the first receive, a
+      stale receipt handle): deferred through the outbox to the due time
+      (:func:`~sqla_outbox.worker.deferral.defer_message`), never shown again at once.
     """
     assert flight.run_id is not None
     run_id = flight.run_id
@@ -597,10 +656,20 @@ async def _early_copy(runtime: Runtime, flight: InFlight, due_in_seconds: float)
         )
         runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
         return
-    # within SQS's 12-hour ceiling counted from this message's first receive
-    hide = int(flight.hideable_seconds(max(1, math.ceil(due_in_seconds))))
-    _log(logging.INFO, "run not due yet; message hidden until then", "worker.not_due", flight, hide_s=hide)
-    await runtime.io(runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, hide)
+    wanted = max(1, math.ceil(due_in_seconds))
+    hide = int(flight.hideable_seconds(wanted))  # within SQS's 12-hour ceiling from the first receive
+    if hide >= wanted and await runtime.io(
+        runtime.outcomes.retry_after, flight.queue, flight.receipt_handle, hide
+    ):
+        _log(
+            logging.INFO, "run not due yet; message hidden until then", "worker.not_due", flight, hide_s=hide
+        )
+        return
+    deferred = await deferral.defer_message(
+        runtime, flight, env, reason="not-due", delay_seconds=float(wanted), detail={"early_copy": True}
+    )
+    if deferred.claim is not None:  # finished or leased since: settle it as such
+        await _settle_unclaimed(runtime, flight, deferred.claim, env)
 
 
 def _record_cancelled(runtime: Runtime, flight: InFlight) -> None:

@@ -83,7 +83,10 @@ async def beat(runtime: Runtime, in_flight: list[InFlight]) -> None:
     for queue, group in by_queue.items():
         extendable = []
         for flight in group:
-            if flight.hideable_seconds(runtime.visibility[queue], now=now) >= 1:
+            left = flight.hideable_seconds(runtime.visibility[queue], now=now)
+            if left < runtime.visibility[queue] and not flight.cap_reported:
+                _report_cap(flight, left)
+            if left >= 1:
                 extendable.append(flight)
             else:  # SQS's 12-hour ceiling: nothing left to ask for
                 flight.extended_at = now
@@ -112,6 +115,26 @@ async def beat(runtime: Runtime, in_flight: list[InFlight]) -> None:
                 "lease lost; cancelling the attempt",
                 extra=log_extra(action="worker.lease_lost", run_id=str(flight.run_id), task=flight.task_name),
             )
+
+
+def _report_cap(flight: InFlight, left_seconds: float) -> None:
+    """Say once, per message, that SQS's 12-hour ceiling is near: the message becomes visible
+    again about ``left_seconds`` from now whatever the heartbeat asks, and another worker may
+    receive a copy while this handler runs (that copy finds the run leased and is deleted,
+    and this attempt's verdict, if a retry, goes through the outbox)."""
+    flight.cap_reported = True
+    metrics.VISIBILITY_CAP_REACHED.labels(flight.queue).inc()
+    logger.warning(
+        "SQS's 12-hour visibility ceiling is near: the message will be visible again",
+        extra=log_extra(
+            action="worker.visibility_cap",
+            run_id=str(flight.run_id) if flight.run_id else None,
+            task=flight.task_name,
+            queue=flight.queue,
+            message_id=flight.message_id,
+            visible_in_s=round(left_seconds, 1),
+        ),
+    )
 
 
 async def check_cancel_requests(runtime: Runtime, in_flight: list[InFlight]) -> int:

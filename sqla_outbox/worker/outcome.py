@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sqla_outbox import charsets, envelope
-from sqla_outbox.sqs.client import QueueDirectory
+from sqla_outbox.sqs.client import QueueDirectory, is_stale_handle
 
 SQS_MAX_MESSAGE_ATTRIBUTES = 10
 """A message carries at most 10 message attributes (SQS quota)."""
@@ -55,13 +55,30 @@ class Outcomes:
         and is acknowledged then)."""
         self.client.delete_message(QueueUrl=self.directory.url(queue), ReceiptHandle=receipt_handle)
 
-    def retry_after(self, queue: str, receipt_handle: str, seconds: float) -> None:
-        """Make the message visible again in ``seconds`` (whole seconds, SQS API)."""
-        self.client.change_message_visibility(
-            QueueUrl=self.directory.url(queue),
-            ReceiptHandle=receipt_handle,
-            VisibilityTimeout=round(seconds),
-        )
+    def retry_after(self, queue: str, receipt_handle: str, seconds: float) -> bool:
+        """Make the message visible again in ``seconds`` (whole seconds, SQS API).
+
+        Returns:
+            False when SQS refused it because this receipt handle can no longer change the
+            message (received again elsewhere since, deleted, or past its 12-hour ceiling:
+            SQS ChangeMessageVisibility answers ``InvalidParameterValue`` /
+            ``ReceiptHandleIsInvalid`` / ``MessageNotInflight``); the caller then must not
+            count on the message coming back.
+
+        Raises:
+            botocore.exceptions.ClientError and transport errors: any other failure.
+        """
+        try:
+            self.client.change_message_visibility(
+                QueueUrl=self.directory.url(queue),
+                ReceiptHandle=receipt_handle,
+                VisibilityTimeout=round(seconds),
+            )
+        except Exception as exc:
+            if is_stale_handle(exc):
+                return False
+            raise
+        return True
 
     def give_back(self, queue: str, receipt_handle: str) -> None:
         """Make the message visible again at once."""

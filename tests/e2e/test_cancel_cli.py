@@ -31,10 +31,10 @@ def test_runs_cancel_dry_run_filters_json_and_trail(
 
     dry = cli_json(env, "runs", "cancel", "--task", "charge_card", "--tenant", "3", "--dry-run")
     assert dry["dry_run"] is True and dry["by"].startswith("operator:")
-    assert {(r["run_id"], r["outcome"]) for r in dry["results"]} == {
-        (str(mine[0]), "cancelled"),
-        (str(mine[1]), "cancelled"),
-        (str(running), "stop_requested"),
+    assert {(r["run_id"], r["outcome"], r["external_effects_possible"]) for r in dry["results"]} == {
+        (str(mine[0]), "cancelled", False),
+        (str(mine[1]), "cancelled", False),
+        (str(running), "stop_requested", True),  # its handler may have acted already
     }
     assert {run_row(engine, r).status for r in mine} == {"queued"}  # nothing changed
     assert len(outbox_rows(engine)) == 4
@@ -59,6 +59,8 @@ def test_runs_cancel_dry_run_filters_json_and_trail(
     assert step.worker_id.startswith("operator:") and step.detail["reason"] == "clinic closed"
     assert {r.run_id for r in outbox_rows(engine)} == {other, running}
 
+    human_again = cli(env, "runs", "cancel", "--run-id", str(running), "--dry-run")
+    assert "what it did outside the database before it saw the cancel" in human_again.stdout
     again = cli_json(env, "runs", "cancel", "--run-id", str(mine[0]), "--run-id", str(running))
     assert {(r["run_id"], r["outcome"], r["previous_status"]) for r in again["results"]} == {
         (str(mine[0]), "finished", "cancelled"),

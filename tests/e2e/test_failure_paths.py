@@ -60,7 +60,7 @@ def test_a_transient_error_text_with_nul_is_stored_and_the_retry_succeeds_once(
     assert len(effects(engine, run_id)) == 1
 
 
-def test_a_retry_never_asks_sqs_for_visibility_past_12_hours_after_the_first_receive(
+def test_a_retry_longer_than_sqs_can_hide_the_message_goes_through_the_outbox(
     app: sessionmaker[Session],
     engine: sa.Engine,
     settings: OutboxSettings,
@@ -68,8 +68,10 @@ def test_a_retry_never_asks_sqs_for_visibility_past_12_hours_after_the_first_rec
     sqs: Any,
     queues: dict[str, str],
 ) -> None:
-    """A message first received almost 12 hours ago: a handler asking to retry in an hour
-    gets what SQS still allows, not a refused ChangeMessageVisibility."""
+    """A message first received almost 12 hours ago (200 s left, less a minute of margin): a
+    handler asking to retry in an hour gets its hour, through the outbox (a fresh message due
+    then), not what SQS still allows (the remaining tries would run back to back at the
+    ceiling) and not a refused ChangeMessageVisibility."""
     run_id = dispatch(app, "audit", {"mode": "retry_in", "seconds": 3600})
     assert Relay(settings.replace(sqs_endpoint_url=sqs_endpoint), engine=engine).run_once().sent == 1
     [first] = sqs.receive_message(QueueUrl=queues["default"], VisibilityTimeout=1)["Messages"]
@@ -78,11 +80,95 @@ def test_a_retry_never_asks_sqs_for_visibility_past_12_hours_after_the_first_rec
     process = start_worker(settings, sqs_endpoint)
     try:
         wait_for(lambda: status_of(engine, run_id) == "retrying", timeout=30)
-        time.sleep(1)
         [retrying] = [t for t in trail(engine, run_id) if t.status == "retrying"]
-        assert 100 <= retrying.detail["backoff_seconds"] <= 140  # 200 s left, less a minute of margin
+        assert (retrying.detail["backoff_seconds"], retrying.detail["via"]) == (3600, "outbox")
+        [row] = [r for r in support.outbox_rows(engine) if r.run_id == run_id]
+        due_in = (row.available_at - run_row(engine, run_id).updated_at).total_seconds()
+        assert row.sent_at is None and 3590 <= due_in <= 3610  # a fresh message, due in an hour
+        wait_for(
+            lambda: not sqs.receive_message(QueueUrl=queues["default"], WaitTimeSeconds=1).get("Messages")
+        )
         assert process.actions("worker.handle_error") == []
-        assert sqs.receive_message(QueueUrl=queues["default"], WaitTimeSeconds=1).get("Messages", []) == []
+        assert (
+            sqs.receive_message(QueueUrl=queues["default-dlq"], WaitTimeSeconds=1).get("Messages", []) == []
+        )
+    finally:
+        process.kill()
+
+
+def test_a_handler_still_running_at_the_12_hour_ceiling_retries_through_the_outbox_not_the_dlq(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+    tmp_path: Any,
+) -> None:
+    """The message can no longer be hidden while the handler runs: it comes back, and every
+    copy a worker receives finds the run leased. Before, each copy was "hidden" with
+    visibility 0, so copies cycled until SQS redrove the message to the DLQ, and the
+    handler's transient failure then left the run ``retrying`` forever with its only copy
+    in the DLQ. Now a copy that cannot be hidden as long as the lease needs is deleted, and
+    the retry comes from the outbox: the run succeeds, nothing reaches the DLQ."""
+    marker = tmp_path / "marker"
+    run_id = dispatch(app, "audit", {"mode": "sleep_then_fail", "seconds": 12, "marker": str(marker)})
+    support.set_visibility(sqs, queues["default"], 3)
+    assert Relay(settings.replace(sqs_endpoint_url=sqs_endpoint), engine=engine).run_once().sent == 1
+    [first] = sqs.receive_message(QueueUrl=queues["default"], VisibilityTimeout=1)["Messages"]
+    support.backdate_first_receive(sqs_endpoint, first["MessageId"], time.time() - 43_170)  # 30 s left
+    time.sleep(1.2)
+    process = start_worker(settings, sqs_endpoint, SQLA_OUTBOX_WORKER_RUN_RELAY="true")
+    try:
+        wait_for(lambda: status_of(engine, run_id) == "succeeded", timeout=60)
+        run = run_row(engine, run_id)
+        assert run.attempts == 2 and len(effects(engine, run_id)) == 1
+        assert process.actions("worker.visibility_cap")  # said when the ceiling came near
+        assert process.actions("worker.copy_dropped")  # copies found the run leased
+        [retrying] = [t for t in trail(engine, run_id) if t.status == "retrying"]
+        assert retrying.detail["via"] == "outbox"
+        assert (
+            sqs.receive_message(QueueUrl=queues["default-dlq"], WaitTimeSeconds=1).get("Messages", []) == []
+        )
+        assert process.actions("worker.handle_error") == []
+    finally:
+        process.kill()
+
+
+def test_a_retrying_run_whose_message_is_lost_is_rescued_and_succeeds(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+) -> None:
+    """A run waits for its next try and its message vanishes from SQS (redriven to the DLQ,
+    dropped past the retention, purged): nothing would ever run it again, and ``status``
+    showed nothing. The relay's rescuer finds it past its queue's window (here 1 s x 7 + 1
+    s), with a live worker for it and nothing waiting in the queue, and sends it again."""
+    run_id = dispatch(app, "audit", {"mode": "retry_in", "seconds": 3})
+    process = start_worker(
+        settings,
+        sqs_endpoint,
+        SQLA_OUTBOX_WORKER_RUN_RELAY="true",
+        SQLA_OUTBOX_RELAY_RESCUE_INTERVAL_SECONDS="1",
+        SQLA_OUTBOX_RELAY_RESCUE_MARGIN_SECONDS="1",
+        SQLA_OUTBOX_QUEUE_VISIBILITY_TIMEOUTS="default=1",
+    )
+    try:
+        wait_for(lambda: status_of(engine, run_id) == "retrying", timeout=30)
+        sqs.purge_queue(QueueUrl=queues["default"])  # the only copy is gone
+        wait_for(lambda: status_of(engine, run_id) == "succeeded", timeout=60)
+        [rescued] = process.actions("relay.rescued")
+        assert (rescued["run_id"], rescued["reason"], rescued["status"]) == (
+            str(run_id),
+            "no-live-copy",
+            "retrying",
+        )
+        [step] = [t for t in trail(engine, run_id) if t.detail and "rescued" in t.detail]
+        assert (step.status, step.detail) == ("retrying", {"rescued": "no-live-copy", "from": "retrying"})
+        assert run_row(engine, run_id).attempts == 2 and len(effects(engine, run_id)) == 1
     finally:
         process.kill()
 

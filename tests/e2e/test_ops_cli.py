@@ -157,7 +157,11 @@ def test_status_prints_tables_and_a_json_document(
         "throttled",
         "relay_partitions",
         "relays",
+        "without_live_copy_count",
+        "without_live_copy",
+        "rescued_last_day",
     }
+    assert (document["without_live_copy_count"], document["rescued_last_day"]) == (0, 0)
     assert document["pauses"] == [] and document["throttled"] == []
     assert document["relays"] == [] and document["relay_partitions"] is None  # no relay is running
     assert {(p["table"], p["queue"], p["pending"], p["due"]) for p in document["pending"]} == {

@@ -81,6 +81,10 @@ def behave(payload: dict[str, Any], ctx: TaskContext) -> Any:
     if mode == "retry_in":
         if ctx.attempt == 1:
             raise errors.Retry(payload["seconds"])
+    if mode == "sleep_then_fail" and ctx.attempt == 1:  # still running when the message comes back
+        mark(payload["marker"], "started")
+        time.sleep(payload["seconds"])
+        raise ConnectionError("the dependency went away while the handler ran")
     if mode == "own_timeout_error":
         raise TimeoutError("the handler's own HTTP call timed out")
     if mode == "sleep":

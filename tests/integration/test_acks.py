@@ -136,3 +136,24 @@ def test_the_heartbeat_never_asks_for_visibility_past_12_hours_after_the_first_r
     assert time.monotonic() - flight.extended_at < 5  # the extension was accepted
     time.sleep(1.5)  # past the 1 s of the receive: still hidden by the extension (about 40 s)
     assert sqs.receive_message(QueueUrl=queues["default"]).get("Messages", []) == []
+
+
+def test_hiding_a_message_through_a_stale_receipt_handle_says_so_instead_of_raising(
+    sqs: Any, queues: dict[str, str], settings: OutboxSettings
+) -> None:
+    """A copy received again since (a duplicate after a relay was killed, a lease's copy)
+    leaves the first handle stale; SQS refuses a visibility change through it. That is
+    expected, not a failure of the message's handling: the worker is told (False) and picks
+    another way (the outbox, or deleting a redundant copy), where it used to log an ERROR
+    with a traceback."""
+    import time
+
+    from sqla_outbox.worker.outcome import Outcomes
+
+    sqs.send_message(QueueUrl=queues["default"], MessageBody="{}")
+    [first] = sqs.receive_message(QueueUrl=queues["default"], VisibilityTimeout=1)["Messages"]
+    time.sleep(1.2)
+    [second] = receive_all(sqs, queues["default"], expect=1, timeout=10)
+    outcomes = Outcomes(sqs, QueueDirectory(sqs, settings), max_message_bytes=settings.max_message_bytes)
+    assert outcomes.retry_after("default", first["ReceiptHandle"], 30) is False
+    assert outcomes.retry_after("default", second["ReceiptHandle"], 30) is True

@@ -494,7 +494,7 @@ def test_requeue_keeps_the_clis_guardrails(
     assert bad.status_code == 400 and "unknown queue" in bad.text
     assert unconfirmed.status_code == 400 and "confirm the action" in unconfirmed.text
     assert not_failed.status_code == 200 and "requeued 0, skipped 1" in not_failed.text
-    assert "not-failed: run is queued; only failed runs are requeued" in not_failed.text
+    assert "not-failed: run is queued with a live copy" in not_failed.text  # its row is pending
     assert unknown.status_code == 404
     assert status_of(engine, failed) == "failed" and status_of(engine, queued) == "queued"
 

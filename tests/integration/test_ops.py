@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqla_outbox import Dispatch, envelope, errors
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.lifecycle import attempts
-from sqla_outbox.ops import dlq, requeue, runs, status
+from sqla_outbox.ops import dlq, requeue, resend, runs, status
 from sqla_outbox.relay import Relay
 from sqla_outbox.sqs.client import QueueDirectory
 from sqla_outbox.wakeup import Waker
@@ -528,20 +528,23 @@ def test_only_failed_runs_are_requeued_the_rest_is_skipped_with_a_reason(
     report = requeue.requeue(engine, sqs, ops_settings, dlq.DeadLetterFilter(), waker=waker)
 
     items = {i.run_id: i for i in report.items}
-    assert (report.requeued, report.skipped, report.woke) == (0, 4, False)
+    assert (report.requeued, report.skipped, report.woke) == (1, 3, True)
     assert (items[succeeded].reason, items[succeeded].detail) == (
         "not-failed",
-        "run is succeeded; only failed runs are requeued",
+        "run is succeeded; only failed and unfinished runs are requeued",
     )
-    assert (items[queued].reason, items[queued].detail) == (
-        "not-failed",
-        "run is queued; only failed runs are requeued",
+    # an unfinished run whose message is in the DLQ has no live copy: it is sent again
+    assert (items[queued].action, items[queued].outbox, items[queued].dlq_deleted) == (
+        "requeued",
+        "rescued",
+        1,
     )
+    assert status_and_sent(engine, queued) == ("queued", False)
     assert items[forgotten].reason == "unknown-run"
     assert items[None].reason == "not-a-run"
-    assert all(i.action == "skipped" and i.dlq_deleted == 0 for i in report.items)
+    assert all(i.action == "skipped" and i.dlq_deleted == 0 for i in report.items if i.run_id != queued)
     assert status_and_sent(engine, succeeded) == ("succeeded", True)
-    assert len(visible_messages(sqs, queues["default-dlq"], expect=4)) == 4  # all left in place
+    assert len(visible_messages(sqs, queues["default-dlq"], expect=3)) == 3  # the others left in place
 
 
 def status_and_sent(engine: sa.Engine, run_id: uuid.UUID) -> tuple[str, bool]:
@@ -1152,3 +1155,81 @@ def test_a_requeue_holds_at_most_one_body_per_run_whatever_the_dlq_holds(
         tracemalloc.stop()
     assert [i.reason for i in report.items] == ["unknown-run"] * count
     assert peak < 12 * 2**20, f"{peak / 2**20:.1f} MiB traced"
+
+
+def _into_dlq_while_retrying(
+    engine: sa.Engine, sqs: Any, settings: OutboxSettings, run_id: uuid.UUID, *, backoff: float = 1.0
+) -> None:
+    """The run's attempt fails transiently (``retrying``), then its message reaches the DLQ
+    (as SQS's redrive moves a message received ``maxReceiveCount`` times)."""
+    directory = QueueDirectory(sqs, settings)
+    outcomes = Outcomes(sqs, directory, max_message_bytes=settings.max_message_bytes)
+    [message] = receive_all(sqs, directory.url("default"), expect=1, timeout=10)
+    env = envelope.decode(message["Body"], max_bytes=settings.max_message_bytes)
+    with engine.begin() as conn:
+        claim = attempts.take_lease(
+            conn,
+            run_id=run_id,
+            task=env.task,
+            tenant_id=env.tenant_id,
+            worker_id="w",
+            lease_seconds=60,
+            receive_count=1,
+        )
+        attempt = attempts.Attempt(run_id, claim.attempt, 1, "w")
+        failure = attempts.Failure("ConnectionError", "flaky")
+        assert attempts.mark_retrying(conn, attempt, failure, backoff_seconds=backoff)
+    outcomes.dead_letter(
+        "default", message["ReceiptHandle"], message["Body"], message["MessageAttributes"], {}
+    )
+
+
+def test_requeue_reconciles_an_unfinished_run_whose_message_reached_the_dlq(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+) -> None:
+    """The run is ``retrying`` but its only copy is in the DLQ (SQS redrove it: no worker
+    verdict, so ``--include-no-reason``): requeue used to skip it (not failed) and it waited
+    forever. It is sent again through the outbox and the copy deleted."""
+    run_id = dispatch(app, "audit", {"n": 1}, tenant_id=2)
+    relay.run_once()
+    _into_dlq_while_retrying(engine, sqs, ops_settings, run_id)
+
+    report = requeue.requeue(
+        engine, sqs, ops_settings, dlq.DeadLetterFilter(tasks=("audit",)), include_no_reason=True
+    )
+
+    [item] = report.items
+    assert (item.action, item.outbox, item.dlq_deleted) == ("requeued", "rescued", 1)
+    assert run_row(engine, run_id).status == "retrying"
+    assert outbox_row(engine, run_id).sent_at is None
+    [step] = [t for t in trail(engine, run_id) if t.detail and "rescued" in t.detail]
+    assert step.detail == {"rescued": "in-dlq", "from": "retrying"}
+    assert visible_messages(sqs, queues["default-dlq"]) == []
+    assert relay.run_once().sent == 1
+
+
+def test_resend_sends_again_any_unfinished_run_an_operator_names(
+    app: sessionmaker[Session], engine: sa.Engine, ops_settings: OutboxSettings, sqs: Any, relay: Relay
+) -> None:
+    retrying = dispatch(app, "audit", {"n": 1}, tenant_id=2)
+    relay.run_once()
+    _into_dlq_while_retrying(engine, sqs, ops_settings, retrying)
+    leased = dispatch(app, "audit", {"n": 2}, tenant_id=2)
+    relay.run_once()
+    with engine.begin() as conn:
+        attempts.take_lease(
+            conn, run_id=leased, task="audit", tenant_id=2, worker_id="w", lease_seconds=600, receive_count=1
+        )
+    selection = resend.Selection(run_ids=(retrying, leased, uuid.uuid4()))
+
+    report = resend.resend_unreceived(engine, selection)
+
+    by_run = {item.run_id: item for item in report.items}
+    assert (by_run[retrying].action, by_run[leased].reason) == ("resent", "leased")
+    assert by_run[selection.run_ids[2]].reason == "unknown-run"
+    assert outbox_row(engine, retrying).sent_at is None and outbox_row(engine, leased).sent_at is not None

@@ -374,15 +374,19 @@ def test_runs_whose_message_waited_in_sqs_too_long_are_flagged_and_resent(
 
     everything = resend.Selection(run_ids=(lost, recent, running))
     dry = resend.resend_unreceived(engine, everything, older_than=dt.timedelta(days=1), dry_run=True)
+    # the operator named the other two: any unfinished run without a live lease is sent again
     assert {i.run_id: (i.action, i.reason) for i in dry.items} == {
         lost: ("would-resend", None),
-        recent: ("skipped", "too-recent"),
-        running: ("skipped", "not-queued"),
+        recent: ("would-resend", None),
+        running: ("would-resend", None),
     }
     assert row(engine, lost).sent_at is not None
     done = resend.resend_unreceived(engine, everything, older_than=dt.timedelta(days=1))
-    assert done.done == 1
+    assert done.done == 3
+    assert support.status_of(engine, running) == "queued"  # its lease had lapsed: back to queued
     assert row(engine, lost).sent_at is None and support.status_of(engine, lost) == "queued"
     assert support.trail(engine, lost)[-1].detail["resent_by"] == "operator"
-    assert relay.run_once().sent == 1
-    assert [b["run_id"] for b in bodies(sqs, queues["default"])] == [str(lost)]
+    assert relay.run_once().sent == 3
+    assert sorted(b["run_id"] for b in bodies(sqs, queues["default"])) == sorted(
+        map(str, (lost, recent, running))
+    )

@@ -311,9 +311,25 @@ def test_retry_replaces_the_backoff_and_retry_after_only_lengthens_it() -> None:
     assert low <= short.delay_seconds <= high and high > 0.5  # the backoff of the first try
 
 
-def test_a_delay_never_passes_the_ceiling() -> None:
-    assert _decide(errors.Retry(600), ceiling_seconds=30).delay_seconds == 30
-    assert _decide(ValueError("x"), receive=4, ceiling_seconds=1).delay_seconds <= 1
+def test_a_delay_longer_than_the_visibility_left_retries_through_the_outbox() -> None:
+    """At SQS's 12-hour ceiling (or near it) the message cannot stay hidden for the delay:
+    the retry goes through the outbox with its whole delay, never visibility 0."""
+    near_cap = _decide(errors.Retry(43_200), visibility_left_seconds=600)
+    assert (near_cap.kind, near_cap.via, near_cap.delay_seconds) == (
+        verdict.Kind.RETRY,
+        verdict.Via.OUTBOX,
+        43_200,
+    )
+    at_cap = _decide(errors.Retry(0), visibility_left_seconds=0)
+    assert at_cap.via is verdict.Via.OUTBOX
+    long_retry_after = _decide(
+        errors.WebhookFailed("rate-limited", "later", retry_after_seconds=7200), visibility_left_seconds=3600
+    )
+    assert (long_retry_after.via, long_retry_after.delay_seconds) == (verdict.Via.OUTBOX, 7200)
+
+
+def test_a_delay_within_the_visibility_left_hides_the_message() -> None:
+    assert _decide(errors.Retry(20), visibility_left_seconds=30).via is verdict.Via.VISIBILITY
 
 
 def test_a_delivery_received_more_often_than_the_run_has_tries_fails_before_it_runs() -> None:
