@@ -399,6 +399,26 @@ class OutboxSettings:
         unit="s",
         above=0,
     )
+    relay_listen_probe_interval_seconds: float = setting(
+        15.0,
+        "How often the relay's PostgreSQL wake listener `NOTIFY`s itself a probe (from a "
+        "short-lived session of its own) and expects it back on its `LISTEN` session. A "
+        "session that does not return it within `relay_listen_probe_timeout_seconds` is "
+        "dropped and reconnected, so a `LISTEN` connection cut quietly (a proxy or NAT that "
+        "keeps the socket open) is noticed within the sum of the two.",
+        unit="s",
+        minimum=0.1,
+        maximum=3600,
+    )
+    relay_listen_probe_timeout_seconds: float = setting(
+        5.0,
+        "How long a probe of the wake listener may take to come back. When the very first "
+        "probe of a listener does not, the connection is judged unable to hold a `LISTEN` "
+        "(a transaction-mode pooler): it is kept, and the relay runs on its sweep.",
+        unit="s",
+        above=0,
+        maximum=60,
+    )
     relay_partitions: int = setting(
         1,
         "Partitions of the outbox (docs/scaling.md). 1: one active relay per database, the others "

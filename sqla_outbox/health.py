@@ -258,8 +258,18 @@ def _wake_words(settings: OutboxSettings) -> str:
     return " and ".join(sorted("PostgreSQL LISTEN/NOTIFY" if c == "postgres" else "Valkey" for c in channels))
 
 
+LISTEN_CHECKED = (
+    "a fresh connection holds a LISTEN (a running relay's own session is its "
+    "sqla_outbox_relay_listen_alive metric)"
+)
+"""What the ``listen`` line checked: a connection of its own, not the session of a relay
+that runs (another process's, which only that relay can see: it probes it and exports the
+result, :mod:`sqla_outbox.relay.listen`)."""
+
+
 def _check_listen(settings: OutboxSettings) -> CheckResult:
-    """The PostgreSQL wake: the listen URL answers and holds a ``LISTEN``."""
+    """The PostgreSQL wake: the listen URL answers and a fresh connection to it holds a
+    ``LISTEN`` (:data:`LISTEN_CHECKED`)."""
     from sqla_outbox.relay import listen
 
     url = redact_url(settings.listen_url)
@@ -274,7 +284,7 @@ def _check_listen(settings: OutboxSettings) -> CheckResult:
             f"{url}: a LISTEN does not hold (a transaction-mode pooler?); the relay would only sweep: "
             "set SQLA_OUTBOX_DATABASE_DIRECT_URL to a direct connection",
         )
-    return CheckResult("listen", True, f"{url}: LISTEN/NOTIFY wake")
+    return CheckResult("listen", True, f"{url}: {LISTEN_CHECKED}")
 
 
 def _check_queues(settings: OutboxSettings) -> CheckResult:

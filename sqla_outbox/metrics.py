@@ -75,6 +75,25 @@ WAKE_LISTENER_ERRORS = Counter(
     "(the wake key is not a list, is refused, or held an oversized element).",
     ["kind"],
 )
+RELAY_LISTEN_ALIVE = Gauge(
+    "sqla_outbox_relay_listen_alive",
+    "1 while the relay's LISTEN session (the PostgreSQL wake) returned its last probe in time; "
+    "0 while it reconnects, missed a probe, or cannot hold a LISTEN (a transaction-mode pooler). "
+    "Only exported while the relay listens.",
+    ["channel"],
+)
+RELAY_LISTEN_PROBE_AGE = Gauge(
+    "sqla_outbox_relay_listen_probe_age_seconds",
+    "Seconds since a probe of the relay's LISTEN session last came back (it grows while the "
+    "session is dead); only exported while the relay listens, once a probe came back.",
+    ["channel"],
+)
+RELAY_LISTEN_RECONNECTS = Counter(
+    "sqla_outbox_relay_listen_reconnects",
+    "Times the relay's wake listener dropped its LISTEN session and connected again, by reason: "
+    "lost (the connection failed) or stalled (a probe did not come back in time).",
+    ["reason"],
+)
 
 # --- worker ------------------------------------------------------------------------------
 RUNS_FINISHED = Counter(
@@ -186,6 +205,9 @@ _RELAY_METRICS = (
     RELAY_PARTITIONS_DISAGREE,
     RELAY_PASSES,
     WAKE_LISTENER_ERRORS,
+    RELAY_LISTEN_ALIVE,
+    RELAY_LISTEN_PROBE_AGE,
+    RELAY_LISTEN_RECONNECTS,
     RELAY_HELD,
     RELAY_PAUSED,
     TENANT_THROTTLED,

@@ -263,7 +263,8 @@ class TcpProxy:
     """Forwards a loopback port to ``target``; :meth:`disable` makes it refuse service.
 
     While disabled, open connections are cut and new ones are closed at once, which is
-    what a client sees when an endpoint is down.
+    what a client sees when an endpoint is down. :meth:`freeze` stops forwarding on the
+    connections open now without closing them, as a proxy or NAT that lost their state.
     """
 
     def __init__(self, target_host: str, target_port: int) -> None:
@@ -277,6 +278,7 @@ class TcpProxy:
         self.hanging = threading.Event()
         self._stop = threading.Event()
         self._conns: list[socket.socket] = []
+        self._frozen: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
@@ -291,6 +293,14 @@ class TcpProxy:
 
     def enable(self) -> None:
         self.enabled = True
+
+    def freeze(self) -> None:
+        """Stop forwarding on every connection open now and keep its sockets open: what
+        arrives is read and dropped, both ways, so each side's TCP stack (keepalives
+        included) is still answered and neither sees the connection fail. New connections
+        are forwarded (unless disabled)."""
+        with self._lock:
+            self._frozen.update(self._conns)
 
     def hang(self) -> None:
         """Stop forwarding anything (calls in flight and new ones block), as a hung endpoint."""
@@ -309,6 +319,7 @@ class TcpProxy:
                     conn.shutdown(socket.SHUT_RDWR)
                 conn.close()
             self._conns.clear()
+            self._frozen.clear()
 
     def close(self) -> None:
         self._stop.set()
@@ -342,6 +353,8 @@ class TcpProxy:
                 data = source.recv(65536)
                 if not data:
                     break
+                if source in self._frozen:
+                    continue  # read and dropped: the peer never hears of it
                 if self.hanging.is_set():
                     while self.hanging.is_set() and not self._stop.is_set():
                         time.sleep(0.05)

@@ -323,6 +323,10 @@ def _render_flow_control(out: Any, flow: Any) -> None:
                 f"{format_age(policy.open_seconds)}, "
                 f"{policy.successes} success{'es' if policy.successes != 1 else ''} close"
             )
+            if policy.max_outage_seconds:
+                settings += f"; outages up to {format_age(policy.max_outage_seconds)} spend no tries"
+            if b.outage_seconds is not None:
+                settings += f" (outage for {format_age(b.outage_seconds)})"
             shown.add_row(
                 b.key,
                 styled(state, BREAKER_STYLE[b.state]) if b.state in BREAKER_STYLE else state,

@@ -12,6 +12,12 @@ the run keeps its status (``queued`` or ``retrying``; a lease this attempt took 
 back: ``running → queued`` with ``attempts - 1``); the trail records the deferral
 (``detail.deferred`` = reason, ``delay_seconds``, ``deferrals`` = how many with this reason
 so far). The worker then deletes the message (:mod:`sqla_outbox.worker.deferral`).
+
+An attempt that ran and failed may be deferred too (a failure during a breaker outage,
+:func:`sqla_outbox.lifecycle.verdict.ride_out`): its error is recorded on the run
+(``last_error_type``, ``last_error``) and in the trail row, as a retry would record it;
+when a ``Cancel`` was committed meanwhile nothing is deferred (the attempt's run ends
+``cancelled`` instead, :func:`sqla_outbox.lifecycle.attempts.mark_cancelled`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from sqlalchemy import Float, Integer, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.engine import Connection
 
+from sqla_outbox import charsets
 from sqla_outbox.lifecycle import attempts, columns
 from sqla_outbox.types import SQS_MAX_VISIBILITY_SECONDS
 
@@ -62,6 +69,7 @@ class DeferResult:
 _RUN = text(
     """
 SELECT task, tenant_id, queue, status, attempts, lease_owner, dead_lettered_at,
+       cancel_requested_at IS NOT NULL AS cancel_requested,
        EXTRACT(EPOCH FROM (lease_expires_at - clock_timestamp()))::float8 AS lease_left,
        (SELECT count(*) FROM task_run_trail t
         WHERE t.run_id = r.run_id AND t.detail->>'deferred' = :reason) AS deferrals
@@ -107,11 +115,18 @@ _GIVE_BACK_LEASE = text(
     """
 UPDATE task_runs
 SET status = 'queued', attempts = GREATEST(attempts - :uncounted, 0), lease_owner = NULL,
-    lease_expires_at = NULL, updated_at = clock_timestamp()
+    lease_expires_at = NULL, updated_at = clock_timestamp(),
+    last_error_type = COALESCE(:error_type, last_error_type),
+    last_error = COALESCE(:error_message, last_error)
 WHERE run_id = :run_id AND status = 'running'
 RETURNING status, attempts
 """
-).bindparams(bindparam("run_id", type_=UUID(as_uuid=True)), bindparam("uncounted", type_=Integer))
+).bindparams(
+    bindparam("run_id", type_=UUID(as_uuid=True)),
+    bindparam("uncounted", type_=Integer),
+    bindparam("error_type", type_=Text),
+    bindparam("error_message", type_=Text),
+)
 _TRAIL = text(
     columns.trail_insert(
         dict(
@@ -120,10 +135,19 @@ _TRAIL = text(
             attempt=":attempt",
             receive_count=":receive_count",
             worker_id=":worker_id",
+            error_type=":error_type",
+            error_message=":error_message",
+            traceback=":traceback",
             detail="CAST(:detail AS jsonb)",
         )
     )
-).bindparams(bindparam("run_id", type_=UUID(as_uuid=True)), bindparam("detail", type_=Text))
+).bindparams(
+    bindparam("run_id", type_=UUID(as_uuid=True)),
+    bindparam("detail", type_=Text),
+    bindparam("error_type", type_=Text),
+    bindparam("error_message", type_=Text),
+    bindparam("traceback", type_=Text),
+)
 
 
 def defer_run(
@@ -140,6 +164,7 @@ def defer_run(
     receive_count: int,
     attempt: int | None = None,
     detail: dict[str, Any] | None = None,
+    failure: attempts.Failure | None = None,
 ) -> DeferResult:
     """Put a received run back in the outbox, due after a delay (see the module docstring).
 
@@ -158,9 +183,13 @@ def defer_run(
             (``take_lease``): the lease is given back and the attempt not counted. None
             when the run was not leased (the usual case: defer before taking it).
         detail: Extra JSON context for the trail row.
+        failure: The error of the attempt being deferred (with ``attempt``: an attempt
+            that ran and failed): recorded on the run and in the trail row.
 
     Returns:
-        A :class:`DeferResult`.
+        A :class:`DeferResult`; NOT_DEFERRABLE with a CANCELLED claim when ``attempt``
+        holds the run but a ``Cancel`` was committed meanwhile (nothing changed: the
+        caller ends the attempt ``cancelled``).
     """
     run = connection.execute(_RUN, {"run_id": run_id, "reason": reason}).one_or_none()
     if run is None:
@@ -181,6 +210,8 @@ def defer_run(
             ),
         )
     ours = attempt is not None and run.status == "running" and run.attempts == attempt
+    if ours and run.cancel_requested:
+        return _not(attempts.ClaimStatus.CANCELLED, run)
     if run.status == "running" and not ours and run.lease_left is not None and run.lease_left > 0:
         return DeferResult(
             DeferStatus.NOT_DEFERRABLE,
@@ -207,7 +238,16 @@ def defer_run(
         ).scalar_one()
     status, attempt_count = run.status, int(run.attempts)
     if run.status == "running":  # our own lease, or an expired one: give it back
-        given = connection.execute(_GIVE_BACK_LEASE, {"run_id": run_id, "uncounted": 1 if ours else 0}).one()
+        recorded = failure if ours else None
+        given = connection.execute(
+            _GIVE_BACK_LEASE,
+            {
+                "run_id": run_id,
+                "uncounted": 1 if ours else 0,
+                "error_type": recorded.error_type if recorded else None,
+                "error_message": recorded.message if recorded else None,
+            },
+        ).one()
         status, attempt_count = given.status, int(given.attempts)
     trail = {
         **(detail or {}),
@@ -223,7 +263,10 @@ def defer_run(
             "attempt": attempt_count,
             "receive_count": receive_count,
             "worker_id": worker_id,
-            "detail": json.dumps(trail),
+            "detail": json.dumps(charsets.jsonb_safe(trail)),
+            "error_type": failure.error_type if failure else None,
+            "error_message": failure.message if failure else None,
+            "traceback": failure.traceback if failure else None,
         },
     )
     return DeferResult(DeferStatus.DEFERRED, available_at=available_at, deferrals=deferrals + 1)

@@ -26,6 +26,13 @@ A verdict also says how the attempt counts for a circuit breaker
 (:attr:`Verdict.breaker_outcome`): a success closes, a transient failure counts against
 the integration, a permanent error (bad input) counts for nothing (ADR 0014).
 
+Once the breaker has recorded a transient failure, :func:`ride_out` may turn the verdict
+into ``defer``: a failure that finds the breaker open (it opened it, or a probe failed and
+opened it again) is the outage's, not the run's, so while the outage is younger than the
+breaker's retry horizon (``Breaker.max_outage_seconds``) the run goes back to the outbox,
+due when the breaker probes again, and the attempt is not counted (SPEC: holding work back
+never spends a run's attempts nor sends it to the DLQ).
+
 What does not come from a handler's outcome is not decided here: a committed ``Cancel``
 (the run ends ``cancelled``) and a lost lease (the runner reconciles with the run's
 current status).
@@ -48,6 +55,7 @@ class Kind(enum.StrEnum):
     SUCCEED = "succeed"  # running → succeeded
     RETRY = "retry"  # running → retrying, next try after delay_seconds
     FAIL = "fail"  # running → failed, message to the DLQ
+    DEFER = "defer"  # running → queued through the outbox after delay_seconds, attempt not counted
 
 
 class Via(enum.StrEnum):
@@ -64,8 +72,9 @@ class Verdict:
     Attributes:
         kind: :class:`Kind`.
         reason: For FAIL: ``permanent-error``, ``retries-exhausted`` or ``receive-limit``
-            (recorded in the trail's ``detail.reason`` and the DLQ message's ``reason``).
-        delay_seconds: For RETRY: seconds until the next try (0..43,200).
+            (recorded in the trail's ``detail.reason`` and the DLQ message's ``reason``);
+            for DEFER: :data:`OUTAGE_DEFERRAL` (the trail's ``detail.deferred``).
+        delay_seconds: For RETRY and DEFER: seconds until the next try (0..43,200).
         via: For RETRY: :attr:`Via.VISIBILITY` when the received message can stay hidden
             that long, else :attr:`Via.OUTBOX` (SQS hides a message at most 12 hours after
             its first receive, and a copy received elsewhere since has a stale handle:
@@ -133,3 +142,66 @@ def before_attempt(receive_count: int, rules: retry.RetryRules) -> Verdict | Non
         "earlier attempts were lost (worker crash or kill)"
     )
     return Verdict(Kind.FAIL, reason="receive-limit", breaker_outcome="refund", error=error)
+
+
+OUTAGE_DEFERRAL = "breaker-outage"
+"""The deferral reason :func:`ride_out` gives (trail ``detail.deferred``, metrics ``reason``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BreakerView:
+    """A breaker as its gate left it after recording an attempt's failure.
+
+    Attributes:
+        state: ``closed``, ``half_open`` or ``open``.
+        outage_seconds: Time since the breaker last left ``closed`` (seconds, the gate's
+            clock); None while closed.
+        admits_in_seconds: When the breaker may admit a run again: what is left of
+            ``open_seconds`` while open, the caller's probe wait in half-open (seconds, >= 0).
+        max_outage_seconds: The breaker's retry horizon (``Breaker.max_outage_seconds``).
+    """
+
+    state: str
+    outage_seconds: float | None
+    admits_in_seconds: float
+    max_outage_seconds: float
+
+
+def ride_out(decided: Verdict, breaker: BreakerView | None) -> Verdict:
+    """The verdict on a transient failure once the run's breaker has recorded it.
+
+    The rule (``docs/flow-control.md``, "Outages and retries"): a transient failure
+    (RETRY, or FAIL with ``retries-exhausted``) that leaves the breaker not closed (this
+    failure opened it, a probe failed and opened it again, or the attempt ended while it
+    was open or probing) is deferred through the outbox with the attempt not counted,
+    due in ``admits_in_seconds``, as long as the outage is younger than
+    ``max_outage_seconds``. Anything else is returned unchanged: success, permanent errors,
+    ``receive-limit``, failures while the breaker is closed (they count, as without a
+    breaker), and every failure once the outage is older than the horizon (then runs
+    spend their tries and exhausted ones reach the DLQ, as documented).
+
+    Args:
+        decided: :func:`decide`'s verdict on the attempt.
+        breaker: The run's breaker after the gate recorded the failure; None when the task
+            has no breaker (or the gate did not say).
+
+    Returns:
+        ``decided``, or a DEFER verdict with :data:`OUTAGE_DEFERRAL` and the same error.
+    """
+    if breaker is None or decided.breaker_outcome != "failure":
+        return decided
+    transient = decided.kind is Kind.RETRY or (
+        decided.kind is Kind.FAIL and decided.reason == "retries-exhausted"
+    )
+    if not transient or breaker.state == "closed" or breaker.outage_seconds is None:
+        return decided
+    if breaker.outage_seconds >= breaker.max_outage_seconds:
+        return decided
+    delay = min(max(breaker.admits_in_seconds, 0.0), float(SQS_MAX_VISIBILITY_SECONDS))
+    return Verdict(
+        Kind.DEFER,
+        reason=OUTAGE_DEFERRAL,
+        delay_seconds=delay,
+        breaker_outcome=decided.breaker_outcome,
+        error=decided.error,
+    )

@@ -40,6 +40,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from sqla_outbox import envelope, metrics
+from sqla_outbox.lifecycle.attempts import Failure
 from sqla_outbox.lifecycle.deferral import DeferResult, DeferStatus, Delay, defer_run
 from sqla_outbox.logging import log_extra, short_handle
 from sqla_outbox.types import WAKE_CHANNEL
@@ -61,6 +62,7 @@ async def defer_message(
     reason: str,
     delay_seconds: Delay,
     detail: dict[str, Any] | None = None,
+    failure: Failure | None = None,
 ) -> DeferResult:
     """Defer the run of a received message: :func:`~sqla_outbox.lifecycle.deferral.defer_run`,
     then delete the message.
@@ -70,7 +72,7 @@ async def defer_message(
         flight: The received message (``flight.leased``/``flight.attempt`` when this
             delivery holds the run's lease: the attempt is then not counted).
         env: Its decoded envelope.
-        reason / delay_seconds / detail: As for :func:`defer_run`.
+        reason / delay_seconds / detail / failure: As for :func:`defer_run`.
 
     Returns:
         The :class:`DeferResult`. DEFERRED and ALREADY_PENDING: the message was deleted
@@ -96,6 +98,7 @@ async def defer_message(
             receive_count=flight.receive_count,
             attempt=flight.attempt if flight.leased else None,
             detail=detail,
+            failure=failure,
         )
         if deferred.status is DeferStatus.DEFERRED and runtime.settings.wake_notify:
             conn.execute(_NOTIFY)  # delivered at commit: the relay learns the new due time

@@ -19,11 +19,21 @@ sharing a Valkey do not meet):
 * ``slots:<task>``: sorted set of held concurrency slots scored by lease expiry (ms). The
   heartbeat renews held slots every third of ``limits_slot_lease_seconds``; a worker
   killed with ``kill -9`` stops renewing, and its slot stops counting when the lease ends.
-* ``breaker:<key>`` (hash: state, failures, successes, open_until, changed_at) and
-  ``probes:<key>`` (half-open probes in flight, leased like slots). Closed: ``failures``
-  failures in a row open it. Open: nothing is admitted until ``open_until``; the first
-  admission after that moves it to half-open. Half-open: at most ``successes`` probes at
-  a time; ``successes`` successes close it, one failure opens it again.
+* ``breaker:<key>`` (hash: state, failures, successes, open_until, changed_at, epoch,
+  outage_since) and ``probes:<key>`` (half-open probes in flight, leased like slots).
+  Closed: ``failures`` failures in a row open it. Open: nothing is admitted until
+  ``open_until``; the first admission after that moves it to half-open. Half-open: at
+  most ``successes`` probes at a time; ``successes`` successes close it, one failure opens
+  it again.
+* **Only outcomes of the current period count.** ``epoch`` numbers the breaker's periods
+  (every transition starts a new one); an admission carries the epoch it was admitted in,
+  and its outcome changes the breaker only while that epoch is still the current one. So
+  only probes admitted in this half-open period can close it or open it again, and a run
+  admitted while it was closed that ends after it opened (or, later, while it probes)
+  counts for nothing: its call may have been made before the integration went down or
+  came back. ``outage_since`` is when the breaker last left closed (the outage's age is
+  what :func:`sqla_outbox.lifecycle.verdict.ride_out` compares with the breaker's
+  ``max_outage_seconds``).
 * ``index``: hash of what workers declared (tasks' limits, breakers' settings), for
   ``status`` and the dashboard.
 
@@ -91,6 +101,7 @@ for its breaker; ``neutral`` (a permanent error, a lost lease, a shutdown) does 
 
 # KEYS: rate, rate-next, slots, breaker, probes
 # ARGV: member, rate_count, rate_period_ms, concurrency, lease_ms, breaker_on, probes_max
+# Returns: code, wait (ms), breaker state, transition, breaker epoch of the admission
 _ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -98,25 +109,27 @@ local member = ARGV[1]
 local rate_n, period = tonumber(ARGV[2]), tonumber(ARGV[3])
 local conc, lease = tonumber(ARGV[4]), tonumber(ARGV[5])
 local breaker_on, probes_max = tonumber(ARGV[6]), tonumber(ARGV[7])
-local state, transition, probe = 'closed', '', 0
+local state, transition, probe, epoch = 'closed', '', 0, 0
 if breaker_on == 1 then
   state = redis.call('HGET', KEYS[4], 'state') or 'closed'
   if state == 'open' then
     local open_until = tonumber(redis.call('HGET', KEYS[4], 'open_until') or '0')
-    if now < open_until then return {'open', open_until - now, state, transition} end
+    if now < open_until then return {'open', open_until - now, state, transition, 0} end
     redis.call('HSET', KEYS[4], 'state', 'half_open', 'successes', 0, 'changed_at', now)
+    redis.call('HINCRBY', KEYS[4], 'epoch', 1)
     redis.call('DEL', KEYS[5])
     state, transition = 'half_open', 'open>half_open'
   end
+  epoch = tonumber(redis.call('HGET', KEYS[4], 'epoch') or '0')
   if state == 'half_open' then
     redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
-    if redis.call('ZCARD', KEYS[5]) >= probes_max then return {'probing', 0, state, transition} end
+    if redis.call('ZCARD', KEYS[5]) >= probes_max then return {'probing', 0, state, transition, epoch} end
     probe = 1
   end
 end
 if conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  if redis.call('ZCARD', KEYS[3]) >= conc then return {'concurrency', 0, state, transition} end
+  if redis.call('ZCARD', KEYS[3]) >= conc then return {'concurrency', 0, state, transition, epoch} end
 end
 if rate_n > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - period)
@@ -125,7 +138,7 @@ if rate_n > 0 then
     local at = math.max(oldest + period, tonumber(redis.call('GET', KEYS[2]) or '0'))
     local after = at + math.ceil(period / rate_n)
     redis.call('SET', KEYS[2], after, 'PX', math.max(period * 2, after - now + period))
-    return {'rate', at - now, state, transition}
+    return {'rate', at - now, state, transition, epoch}
   end
   redis.call('ZADD', KEYS[1], now, member)
   redis.call('PEXPIRE', KEYS[1], period)
@@ -138,11 +151,12 @@ if probe == 1 then
   redis.call('ZADD', KEYS[5], now + lease, member)
   redis.call('PEXPIRE', KEYS[5], lease * 2)
 end
-return {'ok', 0, state, transition}
+return {'ok', 0, state, transition, epoch}
 """
 
 # KEYS: rate, slots, breaker, probes
-# ARGV: member, outcome, breaker_on, failures_max, open_ms, successes_max
+# ARGV: member, outcome, breaker_on, failures_max, open_ms, successes_max, admission epoch
+# Returns: state, transition, counted (0/1), outage age (ms, -1 while closed), admits in (ms)
 _RELEASE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -150,34 +164,48 @@ local member, outcome = ARGV[1], ARGV[2]
 redis.call('ZREM', KEYS[2], member)
 redis.call('ZREM', KEYS[4], member)
 if outcome == 'refund' then redis.call('ZREM', KEYS[1], member) end
-if tonumber(ARGV[3]) ~= 1 then return {'', ''} end
-local state = redis.call('HGET', KEYS[3], 'state') or 'closed'
-local transition = ''
-if outcome == 'failure' then
-  if state == 'half_open' then
-    transition = 'half_open>open'
+if tonumber(ARGV[3]) ~= 1 then return {'', '', 0, -1, 0} end
+local h = redis.call('HMGET', KEYS[3], 'state', 'epoch')
+local state = h[1] or 'closed'
+local current = tonumber(h[2] or '0')
+local transition, counted = '', 0
+if tonumber(ARGV[7]) == current and (outcome == 'failure' or outcome == 'success') then
+  counted = 1
+  if outcome == 'failure' then
+    if state == 'half_open' then
+      transition = 'half_open>open'
+    elseif state == 'closed' then
+      local streak = redis.call('HINCRBY', KEYS[3], 'failures', 1)
+      if streak >= tonumber(ARGV[4]) then transition = 'closed>open' end
+    end
+    if transition ~= '' then
+      redis.call('HSET', KEYS[3], 'state', 'open', 'open_until', now + tonumber(ARGV[5]),
+                 'failures', 0, 'successes', 0, 'changed_at', now)
+      redis.call('HSETNX', KEYS[3], 'outage_since', now)
+      redis.call('HINCRBY', KEYS[3], 'epoch', 1)
+      redis.call('DEL', KEYS[4])
+      state = 'open'
+    end
   elseif state == 'closed' then
-    if redis.call('HINCRBY', KEYS[3], 'failures', 1) >= tonumber(ARGV[4]) then transition = 'closed>open' end
-  end
-  if transition ~= '' then
-    redis.call('HSET', KEYS[3], 'state', 'open', 'open_until', now + tonumber(ARGV[5]),
-               'failures', 0, 'successes', 0, 'changed_at', now)
-    redis.call('DEL', KEYS[4])
-    state = 'open'
-  end
-elseif outcome == 'success' then
-  if state == 'closed' then
     redis.call('HSET', KEYS[3], 'failures', 0)
   elseif state == 'half_open' then
     if redis.call('HINCRBY', KEYS[3], 'successes', 1) >= tonumber(ARGV[6]) then
       redis.call('HSET', KEYS[3], 'state', 'closed', 'failures', 0, 'successes', 0, 'changed_at', now)
+      redis.call('HDEL', KEYS[3], 'outage_since')
+      redis.call('HINCRBY', KEYS[3], 'epoch', 1)
       redis.call('DEL', KEYS[4])
       state, transition = 'closed', 'half_open>closed'
     end
   end
 end
+local outage, admits = -1, 0
+if state ~= 'closed' then
+  local o = redis.call('HMGET', KEYS[3], 'outage_since', 'open_until')
+  outage = now - tonumber(o[1] or now)
+  if state == 'open' then admits = math.max(0, tonumber(o[2] or now) - now) end
+end
 redis.call('PEXPIRE', KEYS[3], 604800000)
-return {state, transition}
+return {state, transition, counted, outage, admits}
 """
 
 # KEYS: sorted sets holding ARGV[i + 1]; ARGV[1]: lease (ms). Returns how many were still held.
@@ -193,7 +221,10 @@ return held
 """
 
 # KEYS[1]: index hash; ARGV[1]: key prefix. For status: each declared task's live slots and
-# admissions in its current window, each breaker's state (open_until as ms from now).
+# admissions in its current window, each breaker's state (open_until as ms from now), its
+# outage's age (ms, -1 while closed) and its max_outage_seconds (``horizon:<key>``, kept
+# apart from ``breaker:<key>`` so that the status command of an earlier release, which
+# builds a Breaker from every field of that JSON, still reads it).
 _SNAPSHOT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -213,11 +244,14 @@ for i = 1, #index, 2 do
     table.insert(out, {'task', name, value, slots, used, 0, 0})
   elseif kind == 'breaker' then
     local key = ARGV[1] .. 'breaker:' .. name
-    local h = redis.call('HMGET', key, 'state', 'failures', 'open_until', 'changed_at')
+    local h = redis.call('HMGET', key, 'state', 'failures', 'open_until', 'changed_at', 'outage_since')
     local probes = redis.call('ZCOUNT', ARGV[1] .. 'probes:' .. name, '(' .. now, '+inf')
     local left = math.max(0, tonumber(h[3] or '0') - now)
     local since = h[4] and (now - tonumber(h[4])) or -1
-    table.insert(out, {'breaker', name, value, h[1] or 'closed', tonumber(h[2] or '0'), left, since, probes})
+    local outage = h[5] and (now - tonumber(h[5])) or -1
+    local horizon = redis.call('HGET', KEYS[1], 'horizon:' .. name) or ''
+    table.insert(out, {'breaker', name, value, h[1] or 'closed', tonumber(h[2] or '0'), left, since, probes,
+                       outage, horizon})
   end
 end
 return out
@@ -245,6 +279,8 @@ class Admission:
         shared: Admitted through Valkey (False: by this process's local state).
         holds: Sorted-set keys holding ``member`` under a lease (slots, probes).
         renewed_at: ``time.monotonic()`` of the admission or last renewal.
+        epoch: The breaker's period it was admitted in (its outcome counts only while
+            that period lasts). probe: Admitted as a half-open probe.
         share: The tenant share it counts against (``<task>:<tenant>``), or None.
     """
 
@@ -254,7 +290,30 @@ class Admission:
     shared: bool
     holds: list[str]
     renewed_at: float = dataclasses.field(default_factory=time.monotonic)
+    epoch: int = 0
+    probe: bool = False
     share: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Released:
+    """What :meth:`Gate.release` left of the admission's breaker.
+
+    Attributes:
+        state: The breaker's state after the outcome was recorded (``closed``,
+            ``half_open``, ``open``); None for a task without a breaker.
+        transition: ``before>after`` when this outcome moved it, else ``""``.
+        counted: Whether the outcome counted for the breaker (it was admitted in the
+            breaker's current period, and was a success or a failure).
+        outage_seconds: Time since the breaker last left ``closed``; None while closed.
+        admits_in_seconds: While open: until its next probe may be admitted (else 0).
+    """
+
+    state: str | None = None
+    transition: str = ""
+    counted: bool = False
+    outage_seconds: float | None = None
+    admits_in_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,29 +366,28 @@ class _LocalState:
                     del self.shares[key]
 
     def _record(self, key: str) -> dict[str, Any]:
-        return self.breakers.setdefault(key, {"state": "closed", "failures": 0, "successes": 0})
+        return self.breakers.setdefault(key, {"state": "closed", "failures": 0, "successes": 0, "epoch": 0})
 
     def admit(self, task: str, limits: TaskLimits, breaker: Breaker | None, member: str) -> tuple[Any, ...]:
         now = time.monotonic()
         with self.lock:
-            state, transition, probe = "closed", "", False
+            state, transition, probe, epoch = "closed", "", False, 0
             if breaker is not None:
-                record = self.breakers.setdefault(
-                    breaker.key, {"state": "closed", "failures": 0, "successes": 0}
-                )
+                record = self._record(breaker.key)
                 state = record["state"]
                 if state == "open":
                     if now < record["open_until"]:
-                        return ("open", record["open_until"] - now, state, transition)
-                    record.update(state="half_open", successes=0)
+                        return ("open", record["open_until"] - now, state, transition, 0)
+                    record.update(state="half_open", successes=0, epoch=record["epoch"] + 1)
                     self.probes[breaker.key].clear()
                     state, transition = "half_open", "open>half_open"
+                epoch = record["epoch"]
                 if state == "half_open":
                     if len(self.probes[breaker.key]) >= breaker.successes:
-                        return ("probing", 0.0, state, transition)
+                        return ("probing", 0.0, state, transition, epoch)
                     probe = True
             if limits.concurrency is not None and len(self.slots[task]) >= limits.concurrency:
-                return ("concurrency", 0.0, state, transition)
+                return ("concurrency", 0.0, state, transition, epoch)
             if limits.rate is not None:
                 window, period = self.rate[task], float(limits.rate.period_seconds)
                 while window and window[0][0] <= now - period:
@@ -337,15 +395,19 @@ class _LocalState:
                 if len(window) >= limits.rate.count:
                     at = max(window[0][0] + period, self.rate_next.get(task, 0.0))
                     self.rate_next[task] = at + period / limits.rate.count
-                    return ("rate", at - now, state, transition)
+                    return ("rate", at - now, state, transition, epoch)
                 window.append((now, member))
             if limits.concurrency is not None:
                 self.slots[task].add(member)
             if probe and breaker is not None:
                 self.probes[breaker.key].add(member)
-            return ("ok", 0.0, state, transition)
+            return ("ok", 0.0, state, transition, epoch)
 
-    def release(self, admission: Admission, outcome: str, breaker: Breaker | None) -> tuple[str, str]:
+    def release(self, admission: Admission, outcome: str, breaker: Breaker | None) -> Released:
+        """As ``_RELEASE``. An admission made through Valkey (``admission.shared``) and
+        released here, Valkey having gone away meanwhile, frees its local share but counts
+        for no breaker: its epoch is Valkey's, not this process's."""
+        now = time.monotonic()
         with self.lock:
             self.slots[admission.task].discard(admission.member)
             if outcome == "refund":
@@ -353,11 +415,16 @@ class _LocalState:
                 for entry in [e for e in window if e[1] == admission.member]:
                     window.remove(entry)
             if breaker is None:
-                return ("", "")
+                return Released()
             self.probes[breaker.key].discard(admission.member)
             record = self._record(breaker.key)
             state, transition = record["state"], ""
-            if outcome == "failure":
+            counted = (
+                not admission.shared
+                and admission.epoch == record["epoch"]
+                and outcome in ("success", "failure")
+            )
+            if counted and outcome == "failure":
                 if state == "half_open":
                     transition = "half_open>open"
                 elif state == "closed":
@@ -367,22 +434,26 @@ class _LocalState:
                 if transition:
                     record.update(
                         state="open",
-                        open_until=time.monotonic() + breaker.open_seconds,
+                        open_until=now + breaker.open_seconds,
                         failures=0,
                         successes=0,
+                        epoch=record["epoch"] + 1,
                     )
+                    record.setdefault("outage_since", now)
                     self.probes[breaker.key].clear()
                     state = "open"
-            elif outcome == "success":
-                if state == "closed":
-                    record["failures"] = 0
-                elif state == "half_open":
-                    record["successes"] += 1
-                    if record["successes"] >= breaker.successes:
-                        record.update(state="closed", failures=0, successes=0)
-                        self.probes[breaker.key].clear()
-                        state, transition = "closed", "half_open>closed"
-            return (state, transition)
+            elif counted and state == "closed":
+                record["failures"] = 0
+            elif counted and state == "half_open":
+                record["successes"] += 1
+                if record["successes"] >= breaker.successes:
+                    record.update(state="closed", failures=0, successes=0, epoch=record["epoch"] + 1)
+                    record.pop("outage_since", None)
+                    self.probes[breaker.key].clear()
+                    state, transition = "closed", "half_open>closed"
+            outage = None if state == "closed" else now - record.get("outage_since", now)
+            admits = max(0.0, record.get("open_until", now) - now) if state == "open" else 0.0
+            return Released(state, transition, counted, outage, admits)
 
 
 class Gate:
@@ -426,7 +497,8 @@ class Gate:
             "probes": f"{self.prefix}probes:{key}",
         }
 
-    def _breaker(self, limits: TaskLimits) -> Breaker | None:
+    def breaker_for(self, limits: TaskLimits) -> Breaker | None:
+        """The settings of the breaker ``limits`` names (as declared for its key), or None."""
         if limits.breaker is None:
             return None
         return self.breakers.get(limits.breaker.key, limits.breaker)
@@ -465,7 +537,7 @@ class Gate:
             with self._lock:
                 self.held[member] = admission
             return Verdict(admission=admission)
-        breaker = self._breaker(limits)
+        breaker = self.breaker_for(limits)
         keys = self._keys(task, breaker)
         reply: tuple[Any, ...] | None = None
         if self._use_valkey():
@@ -484,14 +556,15 @@ class Gate:
                         breaker.successes if breaker else 0,
                     ],
                 )
-                reply = (_text(raw[0]), float(raw[1]) / 1000, _text(raw[2]), _text(raw[3]))
+                epoch = int(raw[4]) if len(raw) > 4 else 0
+                reply = (_text(raw[0]), float(raw[1]) / 1000, _text(raw[2]), _text(raw[3]), epoch)
                 self._valkey_answered()
             except ValkeyUnavailable as exc:
                 self._valkey_failed(exc)
         shared = reply is not None
         if reply is None:
             reply = self.local.admit(task, limits, breaker, member)
-        code, wait, state, transition = reply
+        code, wait, state, transition, epoch = reply
         if breaker is not None:
             self._observe(breaker.key, state, transition, shared=shared)
         if code != "ok":
@@ -502,28 +575,35 @@ class Gate:
         holds = []
         if limits.concurrency is not None:
             holds.append(keys["slots"])
-        if breaker is not None and state == "half_open":
+        probe = breaker is not None and state == "half_open"
+        if probe:
             holds.append(keys["probes"])
-        admission = Admission(member, task, limits, shared, holds, share=share)
+        admission = Admission(member, task, limits, shared, holds, epoch=epoch, probe=probe, share=share)
         with self._lock:
             self.held[member] = admission
         metrics.SLOTS_HELD.labels(task).inc()
         return Verdict(admission=admission)
 
-    def release(self, admission: Admission, outcome: str) -> None:
+    def release(self, admission: Admission, outcome: str) -> Released:
         """Give back an admission: free its slot and probe, record ``outcome`` (one of
-        :data:`OUTCOMES`) on its breaker. Never raises; a slot Valkey could not free
-        expires with its lease."""
+        :data:`OUTCOMES`) on its breaker when the admission belongs to the breaker's
+        current period (see the module docstring). Never raises; a slot Valkey could not
+        free expires with its lease.
+
+        Returns:
+            The breaker as the outcome left it (:class:`Released`; empty for a task
+            without a breaker, or an admission already given back).
+        """
         with self._lock:
             if self.held.pop(admission.member, None) is None:
-                return
+                return Released()
         self.local.drop_share(admission.share, admission.member)
         if not admission.limits.any:
-            return
+            return Released()
         metrics.SLOTS_HELD.labels(admission.task).dec()
-        breaker = self._breaker(admission.limits)
+        breaker = self.breaker_for(admission.limits)
         keys = self._keys(admission.task, breaker)
-        reply: tuple[str, str] | None = None
+        released: Released | None = None
         if admission.shared and self._use_valkey():
             try:
                 assert self.runner is not None
@@ -537,17 +617,26 @@ class Gate:
                         breaker.failures if breaker else 0,
                         int(breaker.open_seconds * 1000) if breaker else 0,
                         breaker.successes if breaker else 0,
+                        admission.epoch,
                     ],
                 )
-                reply = (_text(raw[0]), _text(raw[1]))
+                state, outage_ms = _text(raw[0]), int(raw[3])
+                released = Released(
+                    state=state or None,
+                    transition=_text(raw[1]),
+                    counted=bool(int(raw[2])),
+                    outage_seconds=None if outage_ms < 0 else outage_ms / 1000,
+                    admits_in_seconds=int(raw[4]) / 1000,
+                )
                 self._valkey_answered()
             except ValkeyUnavailable as exc:
                 self._valkey_failed(exc)
-        shared = reply is not None
-        if reply is None:
-            reply = self.local.release(admission, outcome, breaker)
-        if breaker is not None and reply[0]:
-            self._observe(breaker.key, reply[0], reply[1], shared=shared)
+        shared = released is not None
+        if released is None:
+            released = self.local.release(admission, outcome, breaker)
+        if breaker is not None and released.state:
+            self._observe(breaker.key, released.state, released.transition, shared=shared)
+        return released
 
     def renew(self) -> None:
         """Renew the leases of held slots and probes due for it (every third of the lease);
@@ -597,7 +686,9 @@ class Gate:
                 ),
             ]
         for key, breaker in sorted(self.breakers.items()):
-            values += [f"breaker:{key}", json.dumps(dataclasses.asdict(breaker))]
+            declared = dataclasses.asdict(breaker)
+            horizon = declared.pop("max_outage_seconds")
+            values += [f"breaker:{key}", json.dumps(declared), f"horizon:{key}", json.dumps(horizon)]
         if not values or not self._use_valkey():
             return
         try:
@@ -686,6 +777,9 @@ class BreakerState:
             row so far (closed). open_for_seconds: Until the half-open probe (open only).
         since_seconds: Time in this state (None: never changed). probes: Half-open probes
             running. settings: Its declared :class:`~sqla_outbox.worker.limits.Breaker`.
+        outage_seconds: Time since it last left closed (None while closed): failures
+            that find it open are deferred without counting their attempt while this is
+            below ``settings.max_outage_seconds``.
     """
 
     key: str
@@ -695,6 +789,7 @@ class BreakerState:
     since_seconds: float | None
     probes: int
     settings: Breaker
+    outage_seconds: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -740,6 +835,11 @@ def snapshot(settings: OutboxSettings) -> FlowControlState | None:
         else:
             state, left = _text(row[3]), float(row[5]) / 1000
             since = float(row[6])
+            outage = float(row[8]) if len(row) > 8 else -1.0
+            horizon = _text(row[9]) if len(row) > 9 else ""
+            if horizon:
+                info["max_outage_seconds"] = float(horizon)
+            known = {field.name for field in dataclasses.fields(Breaker)}
             breakers.append(
                 BreakerState(
                     key=name,
@@ -748,7 +848,8 @@ def snapshot(settings: OutboxSettings) -> FlowControlState | None:
                     open_for_seconds=left if state == "open" else 0.0,
                     since_seconds=None if since < 0 else since / 1000,
                     probes=int(row[7]),
-                    settings=Breaker(**info),
+                    settings=Breaker(**{k: v for k, v in info.items() if k in known}),
+                    outage_seconds=None if outage < 0 else outage / 1000,
                 )
             )
     return FlowControlState(

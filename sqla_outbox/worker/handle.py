@@ -15,9 +15,10 @@
    **Flow control** (a task with ``rate_limit``, ``concurrency`` or ``breaker``): the
    admission gate (:mod:`sqla_outbox.worker.gate`) decides first; a refused run is
    deferred through the outbox the same way (ADR 0014), and an admitted one gives its
-   admission back when handling ends, with the outcome its breaker counts. A webhook
-   delivery also counts against its tenant's share of this worker's slots
-   (``webhook_tenant_slot_share``); over it, it is deferred the same way (``tenant-share``).
+   admission back when handling ends, with the outcome its breaker counts (a transient
+   failure: before its verdict is applied, see 7). A webhook delivery also counts against
+   its tenant's share of this worker's slots (``webhook_tenant_slot_share``); over it, it
+   is deferred the same way (``tenant-share``).
 4. **Take the run's lease** (:func:`sqla_outbox.lifecycle.attempts.take_lease`, in one transaction
    with the other messages of the same receive: :mod:`sqla_outbox.worker.leases`). No such run
    (foreign or forged message) or a run of another task/tenant/queue → DLQ, never
@@ -38,10 +39,13 @@
    last allowed receive (or attempt: a deferral restarts the receive count);
    :class:`~sqla_outbox.errors.PermanentError` or a type listed in ``@task(permanent=...)``
    → ``failed``, DLQ with the error context, delete; timeout → transient, cancellation
-   signalled, slot freed. A cancel request (the heartbeat saw a committed ``Cancel``) →
-   cancellation signalled, the handler's session discarded, run ``cancelled``, message
-   deleted, slot freed; any verdict the attempt tries after a cancel was committed turns
-   into ``cancelled`` too (:func:`_reconcile_lost`).
+   signalled, slot freed. A transient failure that leaves the task's breaker open
+   (it opened it, or a probe failed) is deferred through the outbox instead, the attempt
+   not counted, while the outage is younger than the breaker's ``max_outage_seconds``
+   (:func:`sqla_outbox.lifecycle.verdict.ride_out`). A cancel request (the heartbeat saw
+   a committed ``Cancel``) → cancellation signalled, the handler's session discarded,
+   run ``cancelled``, message deleted, slot freed; any verdict the attempt tries after a
+   cancel was committed turns into ``cancelled`` too (:func:`_reconcile_lost`).
 
 Database first, then SQS: if the worker dies in between, the copy that comes back finds
 the run's state and finishes the job (acknowledges, or completes the DLQ send).
@@ -373,6 +377,11 @@ async def _execute(
         visibility_left_seconds=flight.hideable_seconds(SQS_MAX_VISIBILITY_SECONDS),
     )
     flight.limit_outcome = decided.breaker_outcome
+    if decided.breaker_outcome == "failure" and flight.admission is not None:
+        decided = await _ride_out(runtime, flight, decided)
+    if decided.kind is verdict.Kind.DEFER:
+        await _defer_failed_attempt(runtime, flight, env, attempt, decided, trace=trace)
+        return
     if decided.kind is not verdict.Kind.SUCCEED:
         await _apply(runtime, flight, attempt, decided, trace=trace, document=env.encode())
         return
@@ -388,6 +397,64 @@ async def _execute(
         duration_ms=round((time.perf_counter() - started) * 1000, 2),
     )
     runtime.acks.ack_soon(flight.queue, flight.receipt_handle)
+
+
+async def _ride_out(runtime: Runtime, flight: InFlight, decided: verdict.Verdict) -> verdict.Verdict:
+    """Record a transient failure on the run's breaker now (not after the verdict, as other
+    outcomes are), then let :func:`sqla_outbox.lifecycle.verdict.ride_out` decide whether
+    the outage, not the run, pays for it."""
+    admission = flight.admission
+    breaker = runtime.gate.breaker_for(admission.limits)
+    released = await runtime.io(runtime.gate.release, admission, "failure")
+    flight.admission = None  # given back: handle_message's release is not needed
+    if breaker is None or released.state is None:
+        return decided
+    waits = released.admits_in_seconds if released.state == "open" else None
+    view = verdict.BreakerView(
+        state=released.state,
+        outage_seconds=released.outage_seconds,
+        # half-open (probing): as a run refused for busy probes waits
+        admits_in_seconds=waits if waits is not None else runtime.settings.limits_throttle_delay_seconds,
+        max_outage_seconds=breaker.max_outage_seconds,
+    )
+    return verdict.ride_out(decided, view)
+
+
+async def _defer_failed_attempt(
+    runtime: Runtime,
+    flight: InFlight,
+    env: envelope.Envelope,
+    attempt: attempts.Attempt,
+    decided: verdict.Verdict,
+    *,
+    trace: str | None,
+) -> None:
+    """A DEFER verdict: the attempt failed during its breaker's outage; the run goes back
+    to the outbox, due when the breaker may admit it again, the attempt not counted."""
+    assert decided.error is not None and decided.reason is not None
+    failure = attempts.Failure.from_exception(decided.error, trace)
+    deferred = await deferral.defer_message(
+        runtime,
+        flight,
+        env,
+        reason=decided.reason,
+        delay_seconds=gate.spread(decided.delay_seconds),
+        detail={**(_handler_detail(flight) or {}), "uncounted_attempt": attempt.attempt},
+        failure=failure,
+    )
+    if deferred.status is deferral.DeferStatus.NOT_DEFERRABLE:
+        await _reconcile_lost(runtime, flight)  # a Cancel committed meanwhile, or the lease was lost
+        return
+    metrics.RUNS_FINISHED.labels(attempt_task(flight), "queued").inc()
+    _log(
+        logging.WARNING,
+        "attempt failed while its breaker is open; deferred to the next probe, attempt not counted",
+        "worker.outage_deferred",
+        flight,
+        attempt=attempt.attempt,
+        error_type=failure.error_type,
+        delay_s=round(decided.delay_seconds, 2),
+    )
 
 
 async def _apply(

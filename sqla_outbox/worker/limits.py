@@ -28,6 +28,9 @@ _RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d*)\s*([a-z]+)\s*$")
 _BREAKER_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 MAX_PERIOD_SECONDS = 86_400
 MAX_CONCURRENCY = 10_000
+MAX_OUTAGE_SECONDS = 604_800
+"""Longest ``Breaker.max_outage_seconds``: 7 days, as long as Valkey keeps a breaker's
+record after its last outcome."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,18 +87,27 @@ class Breaker:
     Defaults follow the BullMQ design (``docs/flow-control.md``): ``failures`` failures in
     a row open it; after ``open_seconds`` it is half-open and lets ``successes`` probe
     runs through at a time; that many successes close it, one failure opens it again.
+    Only outcomes of runs admitted in the breaker's current period count (a run admitted
+    before it opened cannot close it or open it again; ``docs/flow-control.md``).
 
     Attributes:
         key: Integration key, ``[A-Za-z0-9_.:-]{1,100}``.
         failures: Consecutive failures that open it (1..1000, default 5).
         open_seconds: How long it stays open before probing (1..86,400 s, default 30).
         successes: Successes in half-open that close it (1..100, default 2).
+        max_outage_seconds: The breaker's retry horizon (0..604,800 s, default 600): while
+            it has been open (or probing) for less than this since it last closed, a
+            transient failure that finds it open (the failure that opened it, a failed
+            probe) is deferred to its next probe time without counting the attempt
+            (:func:`sqla_outbox.lifecycle.verdict.ride_out`); past it, failures count as
+            usual and exhausted runs reach the DLQ. 0: failures always count.
     """
 
     key: str
     failures: int = 5
     open_seconds: float = 30.0
     successes: int = 2
+    max_outage_seconds: float = 600.0
 
     def check(self, task: str) -> Breaker:
         """Raises ConfigurationError (naming ``task``) for a bad key or setting."""
@@ -105,7 +117,12 @@ class Breaker:
                 f"task {task!r}: breaker key {self.key!r} must match [A-Za-z0-9_.:-]{{1,100}}",
                 option="@task(breaker)",
             )
-        for name, low, high in (("failures", 1, 1000), ("open_seconds", 1, 86_400), ("successes", 1, 100)):
+        for name, low, high in (
+            ("failures", 1, 1000),
+            ("open_seconds", 1, 86_400),
+            ("successes", 1, 100),
+            ("max_outage_seconds", 0, MAX_OUTAGE_SECONDS),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
                 raise errors.ConfigurationError(

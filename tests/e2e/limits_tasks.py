@@ -56,11 +56,28 @@ def charge(payload: dict[str, Any], ctx: TaskContext) -> None:
 @task(
     "limits.flaky",
     queue="default",
-    breaker=Breaker("flaky-api", failures=1, open_seconds=3, successes=1),
-    retry=RetryPolicy(max_receives=3),
+    # an outage of more than 4 s spends tries again (max_outage_seconds)
+    breaker=Breaker("flaky-api", failures=1, open_seconds=3, successes=1, max_outage_seconds=4),
+    retry=RetryPolicy(max_receives=3, backoff_base_seconds=0.5, backoff_max_seconds=1),
 )
 def flaky(payload: dict[str, Any], ctx: TaskContext) -> None:
     raise RuntimeError("the integration is down")
+
+
+LAB = Breaker("lab-api", failures=3, open_seconds=1, successes=1, max_outage_seconds=20)
+"""A breaker that opens on the failure that would spend a run's last try (3 of 3), as the
+defaults do (5 of 5)."""
+
+
+@task(
+    "limits.lab_order",
+    queue="default",
+    breaker=LAB,
+    retry=RetryPolicy(max_receives=3, backoff_base_seconds=0.2, backoff_max_seconds=0.5),
+)
+def lab_order(payload: dict[str, Any], ctx: TaskContext) -> None:
+    _call_stub()
+    record(ctx)
 
 
 @task("limits.refund", queue="default", breaker="stub-api")

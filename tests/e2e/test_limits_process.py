@@ -27,6 +27,7 @@ from sqla_outbox import Dispatch
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from tests import support
+from tests.e2e.limits_tasks import LAB
 from tests.support import (
     ServiceProcess,
     free_port,
@@ -41,7 +42,14 @@ from tests.support import (
 pytestmark = pytest.mark.e2e
 
 TASKS = "tests.e2e.limits_tasks"
-LIMITED = ("limits.single", "limits.rated", "limits.charge", "limits.refund", "limits.flaky")
+LIMITED = (
+    "limits.single",
+    "limits.rated",
+    "limits.charge",
+    "limits.refund",
+    "limits.flaky",
+    "limits.lab_order",
+)
 
 
 @pytest.fixture
@@ -100,6 +108,11 @@ def effect_times(engine: sa.Engine, task: str) -> list[tuple[float, str]]:
 
 def deferrals(engine: sa.Engine, run_id: uuid.UUID, reason: str) -> int:
     return sum(1 for row in trail(engine, run_id) if (row.detail or {}).get("deferred") == reason)
+
+
+def counted_failures(rows: list[Any]) -> int:
+    """Trail rows of attempts that failed and counted (``retrying``, not a deferral's row)."""
+    return sum(1 for r in rows if r.status == "retrying" and "deferred" not in (r.detail or {}))
 
 
 def no_dead_letters(sqs: Any, queues: dict[str, str]) -> bool:
@@ -263,27 +276,70 @@ def test_breaker_opens_on_failures_fails_fast_and_closes_after_probes(
         actions = {a["action"] for w in workers for name in names for a in w.actions(name)}
         assert actions == set(names)
         assert all(run_row(engine, r).attempts == 1 for r in waiting)  # fast fails spent no attempt
-        # every request the stub refused was one failed attempt, then one success each
-        assert sum(run_row(engine, r).attempts for r in failing) == seen + len(failing)
+        # every request the stub refused was one failed attempt, then one success each; the
+        # failures that found the breaker open (the one that opened it, any that ended after)
+        # were the outage's: deferred without counting their attempt
+        uncounted = sum(deferrals(engine, r, "breaker-outage") for r in failing)
+        assert uncounted >= 1
+        assert sum(run_row(engine, r).attempts for r in failing) == seen + len(failing) - uncounted
         assert no_dead_letters(sqs, queues)
     finally:
         stub.close()
 
 
-def test_failures_between_breaker_deferrals_still_exhaust_the_retry_budget(
+def test_a_lone_run_rides_out_an_outage_shorter_than_the_breakers_horizon(
     services: Any, app: Any, engine: sa.Engine, sqs: Any, queues: dict[str, str]
 ) -> None:
-    """``limits.flaky`` always fails and its breaker opens after each failure, so every retry
-    is first deferred (a fresh message, receive count 1). Attempts still bound the retries:
-    the run fails for good on its third attempt (``max_receives=3``) instead of retrying
-    forever, and only then reaches the DLQ."""
+    """``limits.lab_order`` (3 tries; breaker ``lab-api``: 3 failures open it for 1 s, 20 s
+    of outage ridden out): the API is down for about 6 s. The run's third failure, which
+    would have spent its last try, opens the breaker and is deferred without counting;
+    each failed probe is too. Once the API answers the run succeeds on its third attempt,
+    nothing reaches the DLQ, and the API saw 3 calls plus about one probe per open period."""
+    stub = FailingStub()
+    try:
+        services("relay")
+        worker = services("worker", LIMITS_STUB_URL=stub.url, **FAST_THROTTLE)
+        run_id = dispatch(app, "limits.lab_order")
+        wait_for(lambda: worker.actions("breaker.open"), timeout=30)
+        opened = time.monotonic()
+        wait_for(lambda: deferrals(engine, run_id, "breaker-outage") >= 3, timeout=30, interval=0.2)
+        down_for = time.monotonic() - opened
+        stub.failing = False
+        wait_for(lambda: run_row(engine, run_id).status == "succeeded", timeout=30, interval=0.2)
+        row = run_row(engine, run_id)
+        assert row.attempts == 3  # two counted failures, then the success: the outage spent nothing
+        assert no_dead_letters(sqs, queues)
+        calls = len(stub.requests)
+        open_periods = down_for / LAB.open_seconds
+        assert 3 + 3 <= calls <= 3 + open_periods + 2, (calls, down_for)
+        rows = trail(engine, run_id)
+        outage = [r for r in rows if (r.detail or {}).get("deferred") == "breaker-outage"]
+        assert all(r.status == "queued" and r.error_type == "RuntimeError" for r in outage)
+        assert counted_failures(rows) == 2
+        logged = worker.actions("worker.outage_deferred")
+        assert len(logged) == len(outage) and all(a["run_id"] == str(run_id) for a in logged)
+    finally:
+        stub.close()
+
+
+def test_an_outage_longer_than_the_horizon_still_ends_in_the_dlq(
+    services: Any, app: Any, engine: sa.Engine, sqs: Any, queues: dict[str, str]
+) -> None:
+    """``limits.flaky`` always fails; its breaker opens on every failure for 3 s and rides
+    out 4 s of outage. Within those 4 s its failures (the first, which opened it, and the
+    first probe) are deferred without counting; after them they count again, and the run
+    fails for good on its third counted attempt (``max_receives=3``) and only then reaches
+    the DLQ. Attempts still bound the retries although every deferral restarts the receive
+    count."""
     services("relay")
     services("worker", **FAST_THROTTLE)
     run_id = dispatch(app, "limits.flaky")
-    wait_for(lambda: run_row(engine, run_id).status == "failed", timeout=60, interval=0.2)
+    wait_for(lambda: run_row(engine, run_id).status == "failed", timeout=90, interval=0.2)
     assert run_row(engine, run_id).attempts == 3
-    assert deferrals(engine, run_id, "breaker-open") >= 1
-    assert max(r.receive_count or 0 for r in trail(engine, run_id)) < 3  # receives alone never got there
+    rows = trail(engine, run_id)
+    assert deferrals(engine, run_id, "breaker-outage") >= 2
+    assert counted_failures(rows) == 2
+    assert max(r.receive_count or 0 for r in rows) < 3  # receives alone never got there
     dead = receive_all(sqs, queues["default-dlq"], expect=1, timeout=20)
     assert len(dead) == 1 and str(run_id) in dead[0]["Body"]
 

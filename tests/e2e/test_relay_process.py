@@ -363,6 +363,88 @@ def test_relay_reconnects_to_valkey_and_logs_once_per_outage(
         assert relay.terminate() == 0
 
 
+def _metric(port: int, name: str) -> float | None:
+    """One sample of the relay's ``/metrics`` (the first line starting with ``name``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_a_listen_session_cut_quietly_behind_a_proxy_is_noticed_and_replaced(
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    queues: dict[str, str],
+    catalog: Any,
+) -> None:
+    """The relay's LISTEN connection goes through a proxy that stops forwarding it without
+    closing its socket (TCP keepalives are still answered), while refusing new connections
+    for a while. The relay's probes notice within their bound (0.5 s interval + 1 s timeout),
+    log it once, export it (alive 0, a stalled reconnect), reconnect through the proxy once
+    it forwards again, and commit → send is back to a wake's latency, not the 30 s sweep."""
+    import urllib.parse
+
+    import sqla_outbox
+
+    url = urllib.parse.urlsplit(settings.database_url.replace("postgresql+psycopg://", "postgresql://"))
+    proxy = support.TcpProxy(url.hostname or "127.0.0.1", url.port or 5432)
+    direct = url._replace(netloc=f"{url.username}@127.0.0.1:{proxy.port}").geturl()
+    local = settings.replace(wake_mode="postgres", relay_sweep_interval_seconds=30)
+    maker = sessionmaker(engine)
+    sqla_outbox.install(maker, local, catalog=catalog)
+    port = support.free_port()
+    relay = start_relay(
+        local,
+        sqs_endpoint,
+        SQLA_OUTBOX_DATABASE_DIRECT_URL=direct,
+        SQLA_OUTBOX_RELAY_LISTEN_PROBE_INTERVAL_SECONDS="0.5",
+        SQLA_OUTBOX_RELAY_LISTEN_PROBE_TIMEOUT_SECONDS="1",
+        SQLA_OUTBOX_HEALTH_PORT=str(port),
+    )
+    alive = 'sqla_outbox_relay_listen_alive{channel="sqla_outbox_wake"}'
+    stalled = 'sqla_outbox_relay_listen_reconnects_total{reason="stalled"}'
+    age = 'sqla_outbox_relay_listen_probe_age_seconds{channel="sqla_outbox_wake"}'
+
+    def commit_to_send() -> float:
+        started = time.monotonic()
+        with maker() as session, session.begin():
+            item = Dispatch("audit", {})
+            session.add(item)
+        wait_for(lambda: str(item.run_id) in sent_run_ids(engine), timeout=60, interval=0.02)
+        return time.monotonic() - started
+
+    try:
+        relay.wait_for_action("relay.leader")
+        wait_for(lambda: _metric(port, alive) == 1.0, timeout=20)
+        assert commit_to_send() < 10  # the wake (the sweep is 30 s)
+        proxy.freeze()  # the LISTEN session: its socket open, nothing forwarded either way
+        proxy.enabled = False  # and no new connection for now: the relay cannot reconnect yet
+        cut = time.monotonic()
+        relay.wait_for_action("relay.listen_stalled", timeout=20)
+        noticed = time.monotonic() - cut
+        wait_for(lambda: _metric(port, alive) == 0.0, timeout=10)
+        assert _metric(port, stalled) == 1.0
+        time.sleep(2)  # reconnects fail meanwhile (the proxy closes new connections) ...
+        assert len(relay.actions("relay.listen_stalled")) == 1  # ... one line per episode
+        assert relay.actions("relay.listen_lost") == []
+        assert (_metric(port, age) or 0.0) >= 2
+        proxy.enable()
+        recovered = relay.wait_for_action("relay.listen_recovered", timeout=30)
+        assert recovered["after"] == "stalled"
+        wait_for(lambda: _metric(port, alive) == 1.0, timeout=10)
+        assert (_metric(port, age) or 0.0) < 5
+        assert commit_to_send() < 10  # back to the wake's latency
+        assert noticed < 15  # bounded: 1.5 s by the settings, with room for a loaded machine
+    finally:
+        sqla_outbox.uninstall(maker)
+        assert relay.terminate() == 0
+        proxy.close()
+
+
 def test_partitioned_relays_share_the_outbox_and_take_over_a_killed_ones_partitions(
     app: sessionmaker[Session],
     settings: OutboxSettings,

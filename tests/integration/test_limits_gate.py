@@ -147,6 +147,102 @@ def test_a_success_resets_the_failure_streak(gates: tuple[Gate, Gate]) -> None:
     assert admit(one, limits).admission is not None  # type: ignore[attr-defined]
 
 
+@pytest.fixture(params=["valkey", "per-process"])
+def breaker_gates(request: pytest.FixtureRequest, redis_url: str, tag: str) -> Iterator[tuple[Gate, Gate]]:
+    """Two gates sharing a breaker through Valkey, or one gate on a Valkey that refuses
+    connections (its per-process breaker, twice: a local breaker is one process's own)."""
+    if request.param == "valkey":
+        one, two = make_gate(redis_url, tag, name="w1"), make_gate(redis_url, tag, name="w2")
+    else:
+        one = make_gate(closed_port_url(), tag)
+        two = one
+    yield one, two
+    one.close()
+    two.close()
+
+
+def _open(gate: Gate, limits: TaskLimits) -> None:
+    for _ in range(BREAKER.failures):
+        gate.release(admit(gate, limits).admission, "failure")  # type: ignore[attr-defined]
+    assert admit(gate, limits).reason == "breaker-open"  # type: ignore[attr-defined]
+
+
+def test_only_probes_close_a_half_open_breaker(breaker_gates: tuple[Gate, Gate]) -> None:
+    """Two runs admitted while the breaker was closed end with successes during half-open,
+    while its one probe still runs: the breaker stays half-open (they do not close it), the
+    probe's failure opens it again, and the runs waiting are refused, not let through."""
+    one, two = breaker_gates
+    limits = TaskLimits(breaker=BREAKER)
+    early = [admit(one, limits), admit(two, limits)]  # closed: admitted, still running
+    _open(one, limits)
+    time.sleep(1.05)
+    probe = admit(two, limits)
+    assert probe.admission is not None and probe.admission.probe  # type: ignore[attr-defined]
+    for gate, run in zip((one, two), early, strict=True):
+        released = gate.release(run.admission, "success")  # type: ignore[attr-defined]
+        assert (released.state, released.counted, released.transition) == ("half_open", False, "")
+    failed = two.release(probe.admission, "failure")  # type: ignore[attr-defined]
+    assert (failed.state, failed.counted, failed.transition) == ("open", True, "half_open>open")
+    assert [admit(g, limits).reason for g in (one, two, one, two)] == ["breaker-open"] * 4  # type: ignore[attr-defined]
+
+
+def test_runs_admitted_before_the_open_neither_reopen_nor_extend_it(breaker_gates: tuple[Gate, Gate]) -> None:
+    """Failures of runs admitted while closed that end after the breaker opened, or while
+    it probes, count for nothing: the open period is not extended, a probe is not cut short."""
+    one, two = breaker_gates
+    limits = TaskLimits(breaker=BREAKER)
+    early = [admit(one, limits) for _ in range(2)]
+    _open(one, limits)
+    late = one.release(early[0].admission, "failure")  # type: ignore[attr-defined]
+    assert (late.state, late.counted) == ("open", False)
+    assert 0.5 < late.admits_in_seconds <= 1.0 and late.outage_seconds is not None
+    time.sleep(1.05)
+    probes = [admit(two, limits), admit(one, limits)]
+    stale = one.release(early[1].admission, "failure")  # type: ignore[attr-defined]
+    assert (stale.state, stale.counted) == ("half_open", False)
+    for gate, probe in zip((two, one), probes, strict=True):
+        gate.release(probe.admission, "success")  # type: ignore[attr-defined]
+    assert admit(one, limits).admission is not None  # type: ignore[attr-defined]  # closed by its probes
+
+
+def test_a_probe_of_an_earlier_half_open_period_counts_for_nothing(breaker_gates: tuple[Gate, Gate]) -> None:
+    one, two = breaker_gates
+    limits = TaskLimits(breaker=BREAKER)
+    _open(one, limits)
+    time.sleep(1.05)
+    slow_probe, failing_probe = admit(one, limits), admit(two, limits)
+    two.release(failing_probe.admission, "failure")  # type: ignore[attr-defined]  # open again
+    time.sleep(1.05)
+    probe = admit(two, limits)
+    assert probe.admission is not None  # type: ignore[attr-defined]
+    late = one.release(slow_probe.admission, "success")  # type: ignore[attr-defined]
+    assert (late.state, late.counted) == ("half_open", False)  # one success short of closing
+
+
+def test_the_release_reports_the_outage_for_the_retry_rule(breaker_gates: tuple[Gate, Gate]) -> None:
+    """What :func:`sqla_outbox.lifecycle.verdict.ride_out` reads: the failure that opens the
+    breaker sees an outage of about 0 s and the wait until the probe; a failed probe sees
+    the outage's age, counted from the first open; a closing success ends the outage."""
+    one, two = breaker_gates
+    limits = TaskLimits(breaker=BREAKER)
+    for _ in range(BREAKER.failures - 1):
+        assert one.release(admit(one, limits).admission, "failure").state == "closed"  # type: ignore[attr-defined]
+    tripped = one.release(admit(one, limits).admission, "failure")  # type: ignore[attr-defined]
+    assert (tripped.state, tripped.transition) == ("open", "closed>open")
+    assert tripped.outage_seconds is not None and tripped.outage_seconds < 0.5
+    assert 0.5 < tripped.admits_in_seconds <= 1.0
+    time.sleep(1.05)
+    reopened = two.release(admit(two, limits).admission, "failure")  # type: ignore[attr-defined]
+    assert reopened.transition == "half_open>open"
+    assert reopened.outage_seconds is not None and reopened.outage_seconds >= 1.0
+    time.sleep(1.05)
+    probes = [admit(one, limits), admit(one, limits)]
+    closed = [one.release(p.admission, "success") for p in probes]  # type: ignore[attr-defined]
+    assert (closed[-1].state, closed[-1].outage_seconds) == ("closed", None)
+    tripped_again = one.release(admit(one, limits).admission, "failure")  # type: ignore[attr-defined]
+    assert tripped_again.outage_seconds is None  # closed: one failure in a new streak
+
+
 def test_valkey_refusing_connections_limits_per_process(tag: str, caplog: pytest.LogCaptureFixture) -> None:
     gate = make_gate(closed_port_url(), tag)
     limits = TaskLimits(rate=RateLimit(2, 60), concurrency=5)
@@ -229,7 +325,7 @@ def test_status_command_shows_limits_in_use_and_breaker_states(
 
     from tests.support import service_env
 
-    slow = Breaker("payments-api", failures=3, open_seconds=600)
+    slow = Breaker("payments-api", failures=3, open_seconds=600, max_outage_seconds=1200)
     gate = Gate(settings, breakers={slow.key: slow}, worker_id="w1")
     charge = TaskLimits(rate=RateLimit(10, 60), concurrency=3, breaker=slow)
     gate.publish({"charge": charge})
@@ -256,8 +352,10 @@ def test_status_command_shows_limits_in_use_and_breaker_states(
     ] == [("charge", 1, 3, 4)]
     [breaker] = document["breakers"]
     assert (breaker["key"], breaker["state"], breaker["settings"]["failures"]) == ("payments-api", "open", 3)
+    assert breaker["settings"]["max_outage_seconds"] == 1200 and 0 <= breaker["outage_seconds"] < 30
     human = status()
     assert "Circuit breakers" in human and "payments-api" in human and "open" in human
+    assert "outages up to 20m" in human
     assert "Per-task limits" in human and "1 / 3" in human
     gate.release(held.admission, "neutral")  # type: ignore[attr-defined]
     gate.close()

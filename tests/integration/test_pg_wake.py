@@ -233,7 +233,9 @@ def test_check_reports_the_listen_connection(settings: OutboxSettings) -> None:
 
     pg = settings.replace(wake_mode="postgres")
     listen = {r.service: r for r in health.check_services(pg, need_queues=False).results}["listen"]
-    assert listen.ok and "LISTEN/NOTIFY wake" in listen.detail
+    # it tested a connection of its own, and says so (a running relay's session is its metric)
+    assert listen.ok and "a fresh connection holds a LISTEN" in listen.detail
+    assert "sqla_outbox_relay_listen_alive" in listen.detail
     unreachable = pg.replace(database_direct_url=f"postgresql://postgres@127.0.0.1:{free_port()}/postgres")
     listen = {r.service: r for r in health.check_services(unreachable, need_queues=False).results}["listen"]
     assert not listen.ok and "OperationalError" in listen.detail

@@ -203,6 +203,47 @@ def test_a_leased_attempt_can_defer_itself_without_counting(
     assert trail(engine, run_id)[-1].detail["deferred"] == "rate-limit"
 
 
+def test_an_attempt_that_failed_during_an_outage_is_deferred_with_its_error(
+    app: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """A failure the breaker's outage pays for (``verdict.ride_out``): the attempt is given
+    back, and its error is on the run and in the trail, as a retry would record it."""
+    run_id = dispatch(app, "audit")
+    env = received_document(engine, run_id)
+    with engine.begin() as conn:
+        claim = lease(conn, run_id, "audit", None, "w")
+    failure = attempts.Failure.from_exception(RuntimeError("stub answered 500\x00"), "Traceback ...")
+    result = defer(engine, env, attempt=claim.attempt, reason="breaker-outage", failure=failure)
+    assert result.status is DeferStatus.DEFERRED
+    run = run_row(engine, run_id)
+    assert (run.status, run.attempts, run.last_error_type) == ("queued", 0, "RuntimeError")
+    assert run.last_error == "stub answered 500\\x00"
+    step = trail(engine, run_id)[-1]
+    assert (step.status, step.error_type, step.traceback) == ("queued", "RuntimeError", "Traceback ...")
+    assert step.detail["deferred"] == "breaker-outage"
+
+
+def test_an_attempt_whose_run_a_cancel_asked_to_stop_is_not_deferred(
+    app: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """A ``Cancel`` committed while the attempt ran wins: nothing changes, the caller ends
+    the run ``cancelled`` (the worker's ``mark_cancelled``), it is not queued again."""
+    run_id = dispatch(app, "audit")
+    env = received_document(engine, run_id)
+    with engine.begin() as conn:
+        claim = lease(conn, run_id, "audit", None, "w")
+        conn.execute(
+            sa.text("UPDATE task_runs SET cancel_requested_at = clock_timestamp() WHERE run_id = :r"),
+            {"r": run_id},
+        )
+    result = defer(engine, env, attempt=claim.attempt, reason="breaker-outage")
+    assert result.status is DeferStatus.NOT_DEFERRABLE
+    assert result.claim.status is attempts.ClaimStatus.CANCELLED
+    assert (run_row(engine, run_id).status, run_row(engine, run_id).attempts) == ("running", 1)
+    with engine.begin() as conn:
+        assert attempts.mark_cancelled(conn, attempts.Attempt(run_id, claim.attempt, 1, "w"))
+
+
 # --- the relay and presence -------------------------------------------------------------------
 
 

@@ -337,3 +337,50 @@ def test_a_delivery_received_more_often_than_the_run_has_tries_fails_before_it_r
     refused = verdict.before_attempt(6, RULES)
     assert refused is not None and (refused.kind, refused.reason) == (verdict.Kind.FAIL, "receive-limit")
     assert refused.breaker_outcome == "refund"
+
+
+# --- a breaker's outage and the run's tries (verdict.ride_out) ------------------------------
+def _breaker(state: str, outage: float | None, admits_in: float = 12.0, horizon: float = 600.0) -> Any:
+    return verdict.BreakerView(
+        state=state, outage_seconds=outage, admits_in_seconds=admits_in, max_outage_seconds=horizon
+    )
+
+
+@pytest.mark.parametrize("state", ["open", "half_open"])
+def test_a_failure_that_finds_the_breaker_open_is_deferred_uncounted_within_the_horizon(state: str) -> None:
+    for decided in (_decide(ValueError("x"), receive=2), _decide(ValueError("x"), attempt=5)):
+        ridden = verdict.ride_out(decided, _breaker(state, outage=599.0))
+        assert (ridden.kind, ridden.reason) == (verdict.Kind.DEFER, verdict.OUTAGE_DEFERRAL)
+        assert ridden.delay_seconds == 12.0  # to when the breaker admits runs again
+        assert ridden.error is decided.error and ridden.breaker_outcome == "failure"
+
+
+def test_past_the_horizon_failures_count_again_and_the_last_try_fails() -> None:
+    retrying = _decide(ValueError("x"), receive=2)
+    assert verdict.ride_out(retrying, _breaker("open", outage=600.0)) is retrying
+    last = _decide(ValueError("x"), attempt=5)
+    assert verdict.ride_out(last, _breaker("open", outage=601.0)).reason == "retries-exhausted"
+    assert verdict.ride_out(retrying, _breaker("open", outage=0.0, horizon=0.0)) is retrying  # turned off
+
+
+def test_failures_while_the_breaker_is_closed_count_as_without_a_breaker() -> None:
+    decided = _decide(ValueError("x"), receive=3)
+    assert verdict.ride_out(decided, _breaker("closed", outage=None)) is decided
+    assert verdict.ride_out(decided, None) is decided
+
+
+@pytest.mark.parametrize(
+    "decided",
+    [
+        _decide(None),
+        _decide(errors.PermanentError("bad input")),
+        verdict.before_attempt(6, RULES),
+    ],
+)
+def test_only_transient_failures_ride_out_an_outage(decided: verdict.Verdict) -> None:
+    assert verdict.ride_out(decided, _breaker("open", outage=1.0)) is decided
+
+
+def test_an_outage_deferral_never_waits_past_the_ceiling() -> None:
+    decided = _decide(ValueError("x"))
+    assert verdict.ride_out(decided, _breaker("open", 1.0, admits_in=10**6)).delay_seconds == 43_200

@@ -69,6 +69,8 @@ def test_conflicting_breaker_settings_are_refused() -> None:
         Breaker("k", failures=0),
         Breaker("k", open_seconds=0),
         Breaker("k", successes=101),
+        Breaker("k", max_outage_seconds=-1),
+        Breaker("k", max_outage_seconds=604_801),
         5,
     ],
 )
