@@ -12,8 +12,9 @@ The authentication here is a stand-in (API keys from an environment variable); u
 application's own: a session cookie from its login page, an OAuth/OIDC middleware, or the
 user header of an authenticating proxy. Whatever it is, it sets ``request.scope["user"]``
 (Starlette's ``AuthenticationMiddleware`` does) and grants the ``outbox:operate`` scope to
-the people who may use the dashboard; :func:`operator` turns that into the name the
-dashboard records with each action, or None to refuse the request (401).
+the people who may act on the dashboard (``outbox:read`` to those who may only look);
+:func:`operator` turns that into the dashboard's operator (name and role: the name is
+recorded with each action), or None to refuse the request (401).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from starlette.requests import HTTPConnection, Request
 
 import sqla_outbox.dashboard
 from sqla_outbox import OutboxSettings
+from sqla_outbox.operators import Operator
 
 
 class StaffKeys(AuthenticationBackend):
@@ -48,12 +50,18 @@ class StaffKeys(AuthenticationBackend):
         return None
 
 
-def operator(request: Request) -> str | None:
-    """The dashboard's ``identify`` hook: who is asking, or None to refuse (401)."""
+def operator(request: Request) -> Operator | None:
+    """The dashboard's ``identify`` hook: who is asking and their role, or None to refuse (401).
+    (Returning a plain name makes them an ``operator``; ``Operator(..., tenants=...)`` would
+    restrict them to some tenants.)"""
     user = request.scope.get("user")
-    if user is None or not user.is_authenticated or "outbox:operate" not in request.auth.scopes:
+    if user is None or not user.is_authenticated:
         return None
-    return str(user.display_name)
+    if "outbox:operate" in request.auth.scopes:
+        return Operator(str(user.display_name), "operator")
+    if "outbox:read" in request.auth.scopes:
+        return Operator(str(user.display_name), "viewer")
+    return None
 
 
 def staff_keys_from_env() -> dict[str, str]:
@@ -68,7 +76,6 @@ def create_app(settings: OutboxSettings | None = None, staff_keys: dict[str, str
     dashboard = sqla_outbox.dashboard.create_app(
         settings,
         identify=operator,  # the application's authentication decides; the dashboard records the name
-        secret_key=os.environ.get("SHOP_SECRET_KEY"),  # the same on every replica (CSRF sessions)
     )
 
     @contextlib.asynccontextmanager

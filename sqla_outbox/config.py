@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import ipaddress
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -27,7 +28,7 @@ from urllib.parse import urlsplit
 from sqlalchemy import exc as sqlalchemy_exc
 from sqlalchemy.engine import make_url
 
-from sqla_outbox import errors, queues, settings_schema
+from sqla_outbox import destinations, errors, operators, queues, settings_schema
 from sqla_outbox.settings_schema import setting
 from sqla_outbox.types import QUEUE_NAMES, is_queue_name
 from sqla_outbox.urls import MASK as MASK
@@ -136,6 +137,16 @@ def _basic_auth_problem(credentials: str) -> str | None:
     if user and colon and len(password) >= 12:
         return None
     return "must be user:password with a password of at least 12 characters"
+
+
+def _networks_problem(entries: tuple[str, ...]) -> str | None:
+    """``dashboard_proxy_addresses``: each an IP address or network."""
+    for entry in entries:
+        try:
+            ipaddress.ip_network(entry.strip(), strict=False)
+        except ValueError:
+            return f"each entry must be an IP address or network, got {entry!r}"
+    return None
 
 
 def _user_shown(credentials: str) -> str:
@@ -622,26 +633,75 @@ class OutboxSettings:
     webhook_allowed_hosts: tuple[str, ...] = setting(
         (),
         "Webhook destinations let through the SSRF guard although they are not public "
-        "addresses, comma-separated: host names as written in endpoint URLs (`localhost`, "
-        "`hooks.internal`) or IP addresses and networks (`127.0.0.1`, `10.1.2.0/24`). For "
-        "tests and internal receivers. Empty: deliveries reach public addresses only.",
-        pattern=r"[A-Za-z0-9._:/-]{1,253}",
-        shape="a host name, IP address or network",
+        "addresses, comma-separated, each with its port or port range and, optionally, the "
+        "tenants it is for: `hooks.internal:443` (a host name as written in endpoint URLs), "
+        "`127.0.0.1:8850` or `10.1.2.0/24:8000-8099` (addresses and networks, matched against "
+        "what the name resolves to), `[fd00::1]:443` (IPv6 in brackets), "
+        "`3+7@hooks.internal:443` (only for deliveries of tenants 3 and 7). An entry admits "
+        "its host on its ports and no other, and the answers of an allowed destination are "
+        "not kept in the trail (`webhook_response_excerpt`). For tests and internal receivers. "
+        "Empty: deliveries reach public addresses only.",
+        shape=destinations.ENTRY_SHAPE,
+        check=destinations.allow_entries_problem,
+    )
+    webhook_public_ports: tuple[str, ...] = setting(
+        ("80", "443", "8080", "8443"),
+        "Ports a delivery may connect to on a public address (ports or ranges, "
+        "comma-separated: `443,8000-8099`). A receiver URL on another port is refused "
+        "(`destination-refused`) unless an allow-list entry names it.",
+        shape="a port (443) or a range (8000-8099), 1..65535",
+        check=destinations.ports_problem,
+    )
+    webhook_response_excerpt: str = setting(
+        "public",
+        "What the delivery trail keeps of a receiver's answer besides its status and latency "
+        "(its content type and first 512 bytes): `public`: for destinations reached as public "
+        "addresses only, never for one let through by `webhook_allowed_hosts` (an internal "
+        "service's answer stays out of the tenant's trail); `never`: for no destination; "
+        "`always`: for every destination, allow-listed ones included (only when every "
+        "allow-listed destination is a receiver of yours whose answers tenants may read).",
+        choices=("public", "never", "always"),
+    )
+    webhook_proxy_url: str | None = setting(
+        None,
+        "HTTP proxy every webhook delivery goes through (`http://proxy.internal:3128`; "
+        "`https://...` for a TLS connection to the proxy), for networks whose egress passes "
+        "through one. The SSRF guard still resolves and checks each destination, and the proxy "
+        "is asked for the checked address (CONNECT `address:port` for https, SNI and `Host` "
+        "keeping the name), so a name the proxy would resolve differently is never used. "
+        "Proxy variables of the environment (`HTTPS_PROXY`, ...) are ignored, set or not. "
+        "Unset: deliveries connect directly.",
+        shape="an http://host:port or https://host:port URL",
+        check=destinations.proxy_url_problem,
     )
     webhook_timeout_seconds: float = setting(
         15.0,
-        "Per-attempt limit of a webhook delivery: connecting, sending and waiting for the "
-        "response each get at most this long (Standard Webhooks recommends 15 to 30 s).",
+        "Total deadline of one webhook delivery attempt: connecting, TLS, sending the request "
+        "and reading the answer together, against the wall clock (a receiver that trickles its "
+        "answer a byte at a time is cut off when it passes). The attempt then fails transiently "
+        "(`timeout`) and its worker slot and thread are free. Standard Webhooks recommends a "
+        "short timeout (15 to 30 s). Name resolution comes first, bounded by the system "
+        "resolver's own timeout.",
         unit="s",
         above=0,
         maximum=300,
+    )
+    webhook_tenant_slot_share: float = setting(
+        0.5,
+        "Largest share of a worker's slots (`worker_concurrency`) one tenant's webhook deliveries "
+        "may hold at once (at least one slot): a tenant whose receivers are slow cannot hold "
+        "the slots other tenants' runs need. A delivery over it is handed back to the outbox "
+        "and tried again shortly (`tenant-share` in the trail; no attempt spent). 1: no cap.",
+        above=0,
+        maximum=1,
     )
 
     # --- dashboard -----------------------------------------------------------------------
     dashboard_host: str = setting(
         "127.0.0.1",
         "Address `python -m sqla_outbox dashboard` listens on. Any other address than a "
-        "loopback one needs `dashboard_token` or `dashboard_basic_auth`.",
+        "loopback one needs authentication (`dashboard_token`, `dashboard_users`, "
+        "`dashboard_basic_auth` or `dashboard_proxy_user_header`).",
         pattern=r"(?s).*\S.*",
         shape="an address or host name (not blank)",
     )
@@ -650,19 +710,84 @@ class OutboxSettings:
     )
     dashboard_token: str | None = setting(
         None,
-        "Secret token that opens the dashboard: typed once on its "
-        "login page, or sent as `Authorization: Bearer <token>`. Unset: no token.",
+        "A shared secret token that opens the dashboard as the operator named `token` (role "
+        "operator): typed once on its login page, or sent as `Authorization: Bearer <token>`. "
+        "To record who did what, give each operator their own token instead "
+        "(`dashboard_users`). Rotating it ends every session it opened. Unset: no token.",
         min_length=16,
         secret=True,
     )
+    dashboard_users: tuple[str, ...] = setting(
+        (),
+        "The dashboard's operators, comma-separated, each `name:role` (`viewer`: reads, "
+        "payloads hidden, never acts; `operator`: also acts), optionally `:tenants=3+7` (only "
+        "those tenants' runs, DLQ messages and actions) and `:sha256=<hex>`, the SHA-256 of "
+        "the operator's own token, which opens the login page and `Authorization: Bearer` "
+        "(`alice:operator:sha256=9f86...`). An entry without a hash gives a role to a user "
+        "the reverse proxy names (`dashboard_proxy_user_header`). Actions record the "
+        "operator's name. Changing an operator's hash ends their sessions. Only hashes are "
+        "configured, never tokens (a hash does not open the dashboard).",
+        shape=operators.ENTRY_SHAPE,
+        check=operators.operators_problem,
+    )
     dashboard_basic_auth: str | None = setting(
         None,
-        "`user:password` accepted through HTTP basic authentication; the user name is "
-        "recorded as who did an action. Unset: no basic auth.",
+        "`user:password` accepted through HTTP basic authentication, as one operator (role "
+        "operator) named by the user name. Unset: no basic auth.",
         shape="user:password, the password at least 12 characters",
         check=_basic_auth_problem,
         secret=True,
         mask=_user_shown,
+    )
+    dashboard_proxy_user_header: str | None = setting(
+        None,
+        "Header in which a reverse proxy in front of the dashboard names the user it "
+        "authenticated (`X-Forwarded-User`, `X-Auth-Request-User`, ...). Trusted only on "
+        "requests whose TCP peer is in `dashboard_proxy_addresses` (required with it); the "
+        "proxy must set or strip the header on every request it forwards. The user's role "
+        "is their `dashboard_users` entry's, else `dashboard_proxy_default_role`. Unset: no "
+        "proxy authentication.",
+        pattern=r"[A-Za-z0-9-]{1,64}",
+        shape="an HTTP header name",
+    )
+    dashboard_proxy_addresses: tuple[str, ...] = setting(
+        (),
+        "Addresses or networks the reverse proxy connects to the dashboard from "
+        "(`127.0.0.1`, `10.0.3.0/24`): only their requests may name a user in "
+        "`dashboard_proxy_user_header`; anyone else's are refused.",
+        shape="an IP address or network",
+        check=_networks_problem,
+    )
+    dashboard_proxy_default_role: str = setting(
+        "viewer",
+        "Role of a user the reverse proxy authenticated who has no `dashboard_users` entry: "
+        "`viewer`, `operator`, or `none` (refused).",
+        choices=("viewer", "operator", "none"),
+    )
+    dashboard_session_max_age_seconds: int = setting(
+        43_200,
+        "How long a dashboard sign-in lasts. Sessions are kept in PostgreSQL "
+        "(`dashboard_sessions`): the cookie holds only a random key, the expiry is checked "
+        "on the server, and signing out or rotating the credential ends the session.",
+        unit="s",
+        minimum=60,
+        maximum=604_800,
+    )
+    dashboard_secure_cookies: bool = setting(
+        False,
+        "Mark the dashboard's cookies `Secure`, so browsers send them over HTTPS only (turn it "
+        "on whenever the dashboard is reached over HTTPS, through a TLS-terminating proxy "
+        "included).",
+    )
+    dashboard_allowed_hosts: tuple[str, ...] = setting(
+        (),
+        "`Host` header values the dashboard answers (`outbox.example.com`, `*.example.com`); "
+        "any other is refused (400), so a page of another site cannot read the dashboard "
+        "through a name it points at the dashboard's address (DNS rebinding). Unset: "
+        "`python -m sqla_outbox dashboard` on a loopback address answers `127.0.0.1`, "
+        "`localhost` and `::1` only; elsewhere (and mounted in an application) no check.",
+        pattern=r"(\*\.)?[A-Za-z0-9._:\[\]-]{1,253}",
+        shape="a host name or address",
     )
     dashboard_actions: bool = setting(
         False,

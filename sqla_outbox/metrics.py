@@ -167,7 +167,7 @@ RUNS_DEFERRED = Counter(
 GATE_REFUSALS = Counter(
     "sqla_outbox_worker_throttled_total",
     "Runs the admission gate held back (then deferred through the outbox), by task and reason "
-    "(rate-limit, concurrency, breaker-open, breaker-probing).",
+    "(rate-limit, concurrency, breaker-open, breaker-probing, tenant-share).",
     ["task", "reason"],
 )
 SLOTS_HELD = Gauge(

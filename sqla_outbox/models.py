@@ -216,7 +216,12 @@ class TaskRun(Base):
             (partial unique indexes ``task_runs_idempotency_*_key``).
         attempts: Handler executions started (the worker increments it when it takes the
             run's lease).
-        available_at: When the run became (or becomes) due, database clock.
+        available_at: When the run may run (next), database clock: its due time at
+            dispatch (or a ``Reschedule``, a requeue), and for a ``retrying`` run the
+            next try's time (``running → retrying`` sets it from the backoff). A copy of
+            the run received earlier is an early copy, never run. Holds and deferrals
+            leave it alone: they move the outbox row's ``available_at`` only, and the
+            worker checks their rule again for every copy it receives.
         created_at / updated_at / started_at / finished_at: Life-cycle timestamps.
         lease_owner / lease_expires_at: The worker executing the run and until when its
             lease holds; renewed by the heartbeat. Another worker may take the run over
@@ -550,6 +555,34 @@ class TenantFlow(Base):
     )
 
 
+class DashboardSession(Base):
+    """A signed-in dashboard browser (sqlaob_0009), written by ``sqla_outbox.dashboard``.
+
+    Columns:
+        id: SHA-256 (hex) of the random key the browser's cookie holds; the key itself is
+            stored nowhere.
+        operator: The operator's name (what actions record as ``dashboard:<name>``).
+        method: How they signed in: ``token``, ``user`` (their own token), ``basic``,
+            ``proxy`` (a reverse proxy named them) or ``host`` (the mounting application).
+        credential: A fingerprint (HMAC-SHA256) of the credential that opened the session;
+            a session whose credential changed since (a rotated token) is refused.
+        csrf_token: The session's token for forms.
+        created_at / expires_at: When it began and ends (``dashboard_session_max_age_seconds``
+            later); the dashboard refuses it after ``expires_at`` (database clock) and
+            deletes expired rows when a session is created.
+    """
+
+    __tablename__ = "dashboard_sessions"
+
+    id: Mapped[str] = mapped_column(Text, primary_key=True)
+    operator: Mapped[str] = mapped_column(Text)
+    method: Mapped[str] = mapped_column(Text)
+    credential: Mapped[str] = mapped_column(Text)
+    csrf_token: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
+    expires_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, index=True)
+
+
 outbox_messages: Table = OutboxMessage.__table__  # type: ignore[assignment]
 platform_outbox_messages: Table = PlatformOutboxMessage.__table__  # type: ignore[assignment]
 task_runs: Table = TaskRun.__table__  # type: ignore[assignment]
@@ -561,6 +594,7 @@ task_groups: Table = TaskGroup.__table__  # type: ignore[assignment]
 schedule_tenant_slots: Table = ScheduleTenantSlot.__table__  # type: ignore[assignment]
 flow_pauses: Table = FlowPause.__table__  # type: ignore[assignment]
 tenant_flow: Table = TenantFlow.__table__  # type: ignore[assignment]
+dashboard_sessions: Table = DashboardSession.__table__  # type: ignore[assignment]
 
 
 def set_tenant_foreign_key(target: str | Column[Any] | None) -> None:

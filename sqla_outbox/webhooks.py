@@ -28,7 +28,6 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime as dt
-import re
 import secrets as secrets_mod
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -36,7 +35,7 @@ from urllib.parse import urlsplit
 
 from sqlalchemy import Select, select
 
-from sqla_outbox import errors
+from sqla_outbox import errors, types
 from sqla_outbox.catalog import Catalog, TaskSpec
 from sqla_outbox.models import WebhookEndpoint
 from sqla_outbox.webhook_fanout import WEBHOOK_TASK
@@ -74,7 +73,6 @@ SECRET_BYTES = 32
 """Random bytes of a generated secret (Standard Webhooks: at least 24, at most 64)."""
 
 MAX_URL_CHARS = 2048
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 _UNSET: Any = object()
 
 
@@ -143,13 +141,15 @@ def check_events(events: Iterable[str], catalog: Catalog | None = None) -> list[
 
     Raises:
         InvalidEndpoint: ``events`` is a string or empty, a name is not 1..200 characters of
-            letters, digits and ``_ . : -``, or (with ``catalog``) not a webhook event.
+            letters, digits and ``_ . : -`` as a whole string (a control character or a
+            trailing newline is refused: ``types.is_name``), or (with ``catalog``) not a
+            webhook event.
     """
     if isinstance(events, str):
         raise errors.InvalidEndpoint("events", "must be a list of event names, not a string")
     names: list[str] = []
     for name in events:
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not types.is_name(name):
             raise errors.InvalidEndpoint(
                 "events", f"{name!r} is not an event name (1..200 letters, digits, _ . : -)"
             )

@@ -76,11 +76,13 @@ def dlq_list_command(
     """List DLQ messages: run, task, tenant, reason, error type, age and origin; never payloads.
 
     Messages are received with a 30 s visibility and made visible again at the end;
-    nothing is deleted. The run's current status is read from the database. Origin:
-    `verified` (the relay's signature checks out under SQLA_OUTBOX_SIGNING_KEYS),
-    `unverified` (it does not: not a message our relay sent) or `unchecked` (no keys).
-    Everything shown was written by whoever sent the message; control characters are
-    shown escaped.
+    nothing is deleted. Each message is checked against the database: the task, tenant
+    and status shown, and what --task and --older-than match, are the run's own (its row),
+    not the message's attributes, which whoever sent it wrote. Origin: `verified` (the
+    relay's signature checks out under SQLA_OUTBOX_SIGNING_KEYS), `ledger` (the body is
+    the envelope the run's outbox row holds) or `unverified` (nothing vouches for it);
+    what a message claims that its run contradicts is shown beside the origin. The
+    reason and error type are the message's; control characters are shown escaped.
     """
     setup_logging(verbose, log_format)
     with handle_errors(traceback):
@@ -111,7 +113,7 @@ def dlq_list_command(
                 text(x.error_type),
                 format_age(x.age_seconds),
                 text(x.run_status),
-                x.origin if x.origin != "unverified" else styled(x.origin, "red"),
+                _origin(x),
             )
         out = console()
         out.print(shown)
@@ -146,6 +148,12 @@ def dlq_list_command(
     help="Also act on DLQ messages without a worker verdict (moved by the SQS redrive policy, or "
     "sent straight to the DLQ).",
 )
+@click.option(
+    "--include-unverified",
+    is_flag=True,
+    help="Without signing keys: also act on copies nothing vouches for (not the envelope of the "
+    "run's outbox row, or the row was purged). The run is still requeued from its own row.",
+)
 @click.option("--dry-run", is_flag=True, help="Decide and report; change nothing.")
 @json_option
 def dlq_requeue_command(
@@ -159,6 +167,7 @@ def dlq_requeue_command(
     select_all: bool,
     trust_dlq_body: bool,
     include_no_reason: bool,
+    include_unverified: bool,
     dry_run: bool,
     as_json: bool,
     **options: Any,
@@ -166,12 +175,14 @@ def dlq_requeue_command(
     """Put failed runs back to queued through the outbox, then delete their DLQ messages.
 
     Only runs whose status is `failed` are requeued; others are reported as skipped
-    with the reason. The run's outbox row is sent again; a purged row is rebuilt from
-    a DLQ body only when its signature verifies (SQLA_OUTBOX_SIGNING_KEYS), or, without
-    keys, with --trust-dlq-body. Messages the worker refused unexecuted, unsigned or
-    badly signed ones (with keys) and, unless --include-no-reason, ones without a
-    verdict are never acted on. Give at least one filter, or --all. Exit code 1 when a
-    --run-id was not requeued.
+    with the reason. --task, --queue and --older-than match the run's own row, never
+    the DLQ message's attributes. The run's outbox row is sent again; a purged row is
+    rebuilt from a DLQ body only when its signature verifies (SQLA_OUTBOX_SIGNING_KEYS),
+    or, without keys, with --trust-dlq-body. Messages the worker refused unexecuted,
+    unsigned or badly signed ones (with keys), unverified copies (without keys, unless
+    --include-unverified) and, unless --include-no-reason, ones without a verdict are
+    never acted on. Give at least one filter, or --all. Exit code 1 when a --run-id was
+    not requeued.
     """
     setup_logging(verbose, log_format)
     if not (tasks or queues or older_than or run_ids or select_all):
@@ -200,6 +211,7 @@ def dlq_requeue_command(
                     waker=waker,
                     trust_dlq_body=trust_dlq_body,
                     include_no_reason=include_no_reason,
+                    include_unverified=include_unverified,
                 )
         finally:
             if waker is not None:
@@ -255,6 +267,14 @@ def _render_requeue(report: Any) -> None:
         )
     for name in report.missing_queues:
         out.print(styled(f"missing DLQ {name} (run `python -m sqla_outbox provision`)", "yellow"))
+
+
+def _origin(letter: Any) -> Any:
+    """The origin column: ``unverified`` in red, and what the message claims that its run's
+    row contradicts (``claims task='audit'``)."""
+    claims = " ".join(f"{name}={value!r}" for name, value in letter.claims)
+    shown = letter.origin + (f" (claims {claims})" if claims else "")
+    return text(shown) if letter.origin != "unverified" else styled(shown, "red")
 
 
 def _known_queues(settings: Any) -> tuple[str, ...]:

@@ -140,9 +140,12 @@ def text(value: Any) -> str:
 
 
 def jsonable(value: Any) -> Any:
-    """Dataclasses, datetimes (ISO 8601), UUIDs and timedeltas (seconds) as JSON values."""
+    """Dataclasses, datetimes (ISO 8601), UUIDs and timedeltas (seconds) as JSON values.
+
+    A dataclass field declared ``repr=False`` (a DLQ body, an envelope's digest) is left
+    out: it is never printed, in JSON either."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value) if f.repr}
     if isinstance(value, dict):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):

@@ -9,7 +9,7 @@ trail), **DLQ** (dead-lettered messages with reason and error; requeue), **Sched
 Read-only unless ``SQLA_OUTBOX_DASHBOARD_ACTIONS`` is on; authentication by token or
 basic auth from the settings, or the mounting application's; CSRF on every action.
 Needs the ``dashboard`` extra (``pip install 'sqla-outbox[dashboard]'``: Starlette,
-Jinja2, uvicorn, python-multipart, itsdangerous). See ``docs/dashboard.md``.
+Jinja2, uvicorn, python-multipart). See ``docs/dashboard.md``.
 
 Layer: above :mod:`sqla_outbox.ops` (it reuses the DLQ listing and requeue), below
 :mod:`sqla_outbox.cli` (which serves it); it never imports click or rich.

@@ -40,7 +40,7 @@ from sqla_outbox import errors, flow
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.controls import ControlOutcome
 from sqla_outbox.dashboard.auth import Identity
-from sqla_outbox.ops import cancel, dlq, requeue
+from sqla_outbox.ops import cancel, dlq, requeue, runs
 from sqla_outbox.ops.durations import parse_duration
 from sqla_outbox.ops.runs import RunRecord
 from sqla_outbox.types import QUEUE_NAMES, UNFINISHED_STATUSES
@@ -120,6 +120,9 @@ class Action(abc.ABC):
         confirm_label: The confirmation button's text.
         form_template: A template (in ``sqla_outbox/dashboard/templates``) with the
             action's form for the Controls page; None for actions offered elsewhere.
+        tenant_scoped: The action applies an operator's tenant restriction itself
+            (``context.identity.tenants``: it changes nothing of another tenant); only
+            such actions are offered to an operator restricted to tenants.
     """
 
     name: ClassVar[str]
@@ -128,6 +131,7 @@ class Action(abc.ABC):
     places: ClassVar[frozenset[str]] = frozenset()
     confirm_label: ClassVar[str] = "Confirm"
     form_template: ClassVar[str | None] = None
+    tenant_scoped: ClassVar[bool] = False
 
     def applies_to_run(self, run: RunRecord) -> bool:
         """Whether a run page offers this action for ``run`` (``run`` in :attr:`places`)."""
@@ -195,10 +199,13 @@ class ActionRegistry:
 # --- DLQ requeue -----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class RequeueParams:
-    """What to requeue: the CLI's ``dlq requeue`` filters (at least one, or ``everything``)."""
+    """What to requeue: the CLI's ``dlq requeue`` filters (at least one, or ``everything``),
+    matched on each run's own row; ``include_unverified``: also copies nothing vouches for
+    (``--include-unverified``)."""
 
     filters: dlq.DeadLetterFilter
     everything: bool = False
+    include_unverified: bool = False
 
 
 def _values(form: Form, name: str) -> list[str]:
@@ -219,6 +226,7 @@ class DlqRequeue(Action):
     )
     places = frozenset({"dlq", "run"})
     confirm_label = "Requeue"
+    tenant_scoped = True  # the filters carry the operator's tenants (matched on each run's row)
 
     def __init__(self, queues: tuple[str, ...] = QUEUE_NAMES) -> None:
         self.queues = queues  # the four, plus the catalog's declared queues
@@ -252,6 +260,7 @@ class DlqRequeue(Action):
                     f"{older[-1]!r} is not a duration (examples: 90s, 10m, 2h, 7d)", field="older_than"
                 ) from None
         everything = "yes" in _values(form, "all")
+        include_unverified = "yes" in _values(form, "include_unverified")
         if not (run_ids or queues or tasks or older_than or everything):
             raise ActionInputError(
                 "choose the runs: a run id, a queue, a task or an age, or tick 'every failed run'"
@@ -263,11 +272,23 @@ class DlqRequeue(Action):
             run_ids=frozenset(run_ids),
             known=self.queues,
         )
-        return RequeueParams(filters=filters, everything=everything)
+        return RequeueParams(filters=filters, everything=everything, include_unverified=include_unverified)
+
+    @staticmethod
+    def _filters(context: ActionContext, params: RequeueParams) -> dlq.DeadLetterFilter:
+        """The form's filters, narrowed to the operator's tenants when they are restricted."""
+        if context.identity.tenants is None:
+            return params.filters
+        return dataclasses.replace(params.filters, tenant_ids=context.identity.tenants)
 
     def preview(self, context: ActionContext, params: RequeueParams) -> ActionReport:
         report = requeue.requeue(
-            context.engine, context.sqs(), context.settings, params.filters, dry_run=True
+            context.engine,
+            context.sqs(),
+            context.settings,
+            self._filters(context, params),
+            dry_run=True,
+            include_unverified=params.include_unverified,
         )
         return self._report(report)
 
@@ -276,10 +297,11 @@ class DlqRequeue(Action):
             context.engine,
             context.sqs(),
             context.settings,
-            params.filters,
+            self._filters(context, params),
             dry_run=False,
             waker=context.waker(),
             operator=context.identity.actor,
+            include_unverified=params.include_unverified,
         )
         return self._report(report)
 
@@ -344,6 +366,7 @@ class RunsCancel(Action):
     )
     places = frozenset({"run", "runs"})
     confirm_label = "Cancel the runs"
+    tenant_scoped = True  # a restricted operator cancels runs of their tenants only (_cancel)
 
     def __init__(self, tasks: frozenset[str] | None = None) -> None:
         self.tasks = tasks
@@ -400,6 +423,18 @@ class RunsCancel(Action):
 
     @staticmethod
     def _cancel(context: ActionContext, params: CancelParams, *, dry_run: bool) -> cancel.CancelReport:
+        tenants = context.identity.tenants
+        if tenants is not None:  # only their tenants' runs: by id (each checked) or by tenant
+            if params.run_ids:
+                with context.engine.connect() as connection:
+                    found = runs.tenants_of(connection, params.run_ids)
+                if any(found.get(r, None) not in tenants for r in params.run_ids):
+                    raise ActionInputError("you may cancel runs of your tenants only")
+            elif params.tenant_id not in tenants:
+                raise ActionInputError(
+                    f"choose one of your tenants ({', '.join(str(t) for t in sorted(tenants))})",
+                    field="tenant",
+                )
         try:
             return cancel.cancel_runs(
                 context.engine,

@@ -19,6 +19,7 @@ import json
 import logging
 import threading
 import uuid
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,7 +33,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.sessions import SessionMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route, Router
@@ -50,7 +51,7 @@ from sqla_outbox.dashboard.actions import (
     ActionRegistry,
     default_actions,
 )
-from sqla_outbox.dashboard.auth import SESSION_COOKIE, Auth, Forbidden, Identify, Identity, Unauthenticated
+from sqla_outbox.dashboard.auth import IDENTITY_KEY, Auth, Forbidden, Identify, Identity, Unauthenticated
 from sqla_outbox.dashboard.untrusted import visible
 from sqla_outbox.logging import log_extra
 from sqla_outbox.ops import dlq, requeue, runs
@@ -241,16 +242,16 @@ class Pages:
             kept = {k: v for k, v in (query or {}).items() if v not in (None, "")}
             return f"{base}?{urlencode(kept)}" if kept else base
 
+        context.setdefault("csrf_token", self.auth.csrf_token(request))
         context.update(
             request=request,
             identity=identity,
             url=url,
-            csrf_token=self.auth.csrf_token(request),
             actions_enabled=self.settings.dashboard_actions,
-            can_act=self.settings.dashboard_actions and identity.authenticated,
+            can_act=self.settings.dashboard_actions and identity.can_act,
             login_page=self.auth.uses_login_page,
             refresh_seconds=self.settings.dashboard_refresh_seconds,
-            show_payloads=self.settings.dashboard_show_payloads,
+            show_payloads=identity.sees_payloads(self.settings),
             run_statuses=RUN_STATUSES,
             queue_names=self.dashboard.queue_names,
         )
@@ -272,8 +273,11 @@ class Pages:
     async def overview(self, request: Request) -> Response:
         """The overview: the numbers now; the charts follow as a fragment (``overview_charts``)
         that the page loads at once, so the backlog shows without waiting for the hour's
-        history."""
+        history. An operator restricted to tenants is sent to the Runs page (the overview
+        counts every tenant's work)."""
         identity = self.auth.identity(request)
+        if identity.tenants is not None:
+            return RedirectResponse(self.path(request, "runs"), status_code=303)
         return self.render(request, "overview.html", identity, **await self._overview())
 
     async def overview_live(self, request: Request) -> Response:
@@ -314,7 +318,10 @@ class Pages:
                 rows=[],
                 **_no_pages(),
             )
-        found = await run_in_threadpool(self.dashboard.read, lambda c: runs.list_runs(c, query.filters))
+        filters = query.filters
+        if identity.tenants is not None:  # only their tenants' runs, whatever the filters say
+            filters = dataclasses.replace(filters, tenant_ids=identity.tenants)
+        found = await run_in_threadpool(self.dashboard.read, lambda c: runs.list_runs(c, filters))
         more = len(found) > size
         if query.filters.after is not None:  # going back: the extra row is the newest one
             rows, has_newer, has_older = (found[1:] if more else found), more, True
@@ -329,7 +336,7 @@ class Pages:
             values=query.values,
             rows=rows,
             error=None,
-            list_actions=self.dashboard.actions.in_place("runs"),
+            list_actions=_offered(self.dashboard.actions.in_place("runs"), identity),
             newer=None if newer is None else runs.RunCursor(newer.created_at, newer.run_id).encode(),
             older=None if older is None else runs.RunCursor(older.created_at, older.run_id).encode(),
         )
@@ -350,20 +357,23 @@ class Pages:
             detail, outbox = await run_in_threadpool(self.dashboard.read, reading)
         except errors.RunNotFound:
             raise HTTPException(404, f"no run {run_id}") from None
+        if not identity.allows_tenant(detail.run.tenant_id):
+            raise HTTPException(404, f"no run {run_id}")  # not theirs: as if it did not exist
         envelope = outbox.envelope if outbox is not None else {}
-        result = detail.run.result
+        payloads = identity.sees_payloads(self.settings)
+        result = detail.run.result  # shown only with payloads (the template checks)
         return self.render(
             request,
             "run.html",
             identity,
             run=detail.run,
-            trail=detail.trail,
+            trail=detail.trail if payloads else views.without_answers(detail.trail),
             attempts=views.attempts(detail.trail),
             outbox=outbox,
             envelope=views.envelope_metadata(envelope),
-            payload=views.payload_text(envelope) if self.settings.dashboard_show_payloads else None,
+            payload=views.payload_text(envelope) if payloads else None,
             result=None if result is None else views.pretty_json(result),
-            run_actions=self.dashboard.actions.for_run(detail.run),
+            run_actions=_offered(self.dashboard.actions.for_run(detail.run), identity),
         )
 
     # --- DLQ ----------------------------------------------------------------------------------
@@ -383,6 +393,8 @@ class Pages:
                 rows=[],
                 sqs_error=None,
                 action=self.dashboard.actions.get("dlq-requeue"),
+                include_unverified=False,
+                signing=bool(self.settings.signing_keys),
             )
         filters = dlq.DeadLetterFilter(
             tasks=query.tasks,
@@ -397,12 +409,6 @@ class Pages:
             listing = await self._dead_letters(filters)
             ids = [x.run_id for x in listing.letters if x.run_id is not None]
             run_errors = await run_in_threadpool(self.dashboard.read, lambda c: queries.errors_of(c, ids))
-            listing.letters = [
-                dataclasses.replace(x, run_status=run_errors[x.run_id].status)
-                if x.run_id in run_errors
-                else x
-                for x in listing.letters
-            ]
         except sa.exc.DBAPIError:
             raise
         except Exception as exc:  # SQS (or its configuration): shown on the page, filters kept
@@ -414,6 +420,11 @@ class Pages:
                 "dashboard could not read the DLQs",
                 extra=log_extra(action="dashboard.dlq_failed", error_code=error_code(exc)),
             )
+        include_unverified = query.values.get("include_unverified") == "yes"
+        if listing is not None and identity.tenants is not None:  # only their tenants' runs
+            listing.letters = [
+                x for x in listing.letters if x.run_status and identity.allows_tenant(x.tenant_id)
+            ]
         rows = [
             {
                 "letter": letter,
@@ -421,6 +432,7 @@ class Pages:
                 "requeueable": letter.run_id is not None
                 and letter.run_status == "failed"
                 and not requeue.is_foreign(letter),
+                "vouched": requeue.vouched_for(letter, self.settings),
             }
             for letter in (listing.letters if listing is not None else [])
         ]
@@ -434,11 +446,15 @@ class Pages:
             sqs_error=sqs_error,
             error=None,
             action=self.dashboard.actions.get("dlq-requeue"),
+            include_unverified=include_unverified and not self.settings.signing_keys,
+            signing=bool(self.settings.signing_keys),
         )
 
     async def _dead_letters(self, filters: dlq.DeadLetterFilter) -> dlq.DeadLetterListing:
-        """:func:`sqla_outbox.ops.dlq.list_dead_letters`, the four DLQs scanned at once (one
-        thread each: the page waits for the slowest queue, not for the sum of them)."""
+        """:func:`sqla_outbox.ops.dlq.list_dead_letters`, the DLQs scanned at once (one thread
+        each: the page waits for the slowest queue, not for the sum of them), then every
+        message checked against the database (:func:`sqla_outbox.ops.dlq.resolve`): the
+        filters match each run's own row, never the messages' attributes."""
         sqs = await run_in_threadpool(self.dashboard.sqs)
         parts = await asyncio.gather(
             *(
@@ -446,8 +462,7 @@ class Pages:
                     dlq.list_dead_letters,
                     sqs,
                     self.settings,
-                    dataclasses.replace(filters, queues=(queue,)),
-                    limit=DLQ_LIST_LIMIT,
+                    dlq.DeadLetterFilter(queues=(queue,), known=filters.known),
                 )
                 for queue in filters.scanned_queues()
             )
@@ -458,9 +473,17 @@ class Pages:
             listing.scanned.update(part.scanned)
             listing.missing_queues += part.missing_queues
             listing.truncated = listing.truncated or part.truncated
-        if len(listing.letters) > DLQ_LIST_LIMIT:
-            listing.letters, listing.truncated = listing.letters[:DLQ_LIST_LIMIT], True
-        return listing
+
+        def finish(connection: Connection) -> dlq.DeadLetterListing:
+            return dlq.finish(
+                listing,
+                filters,
+                connection=connection,
+                limit=DLQ_LIST_LIMIT,
+                max_bytes=self.settings.max_message_bytes,
+            )
+
+        return await run_in_threadpool(self.dashboard.read, finish)
 
     # --- schedules, controls -----------------------------------------------------------------
     async def schedules_page(self, request: Request) -> Response:
@@ -507,6 +530,7 @@ class Pages:
 
     # --- login --------------------------------------------------------------------------------
     async def login(self, request: Request) -> Response:
+        """The login page: a token (an operator's own, or the shared one) opens a session."""
         home = self.path(request, "overview")
         if not self.auth.uses_login_page:
             return RedirectResponse(home, status_code=303)
@@ -515,22 +539,40 @@ class Pages:
         status_code = 200
         if request.method == "POST":
             form = _form_values((await request.form()).multi_items())
-            self.auth.check_csrf(request, next(iter(form.get("csrf_token", [])), None))
+            self.auth.check_login_csrf(request, next(iter(form.get("csrf_token", [])), None))
             token = (form.get("token") or [""])[0]
-            name = (form.get("name") or [""])[0]
             target = _safe_next(next(iter(form.get("next", [])), None), home)
-            if self.auth.log_in(request, token, name):
-                logger.info("dashboard login", extra=log_extra(action="dashboard.login", operator=name[:64]))
-                return RedirectResponse(target, status_code=303)
-            error, status_code = "That token is not the dashboard's token.", 401
-        anonymous = Identity("anonymous", "anonymous")
-        return self.render(request, "login.html", anonymous, status_code, error=error, next=target)
+            signed_in = await run_in_threadpool(self.auth.log_in, token)
+            if signed_in is not None and signed_in.session_key is not None:
+                logger.info(
+                    "dashboard login",
+                    extra=log_extra(
+                        action="dashboard.login", operator=signed_in.actor, method=signed_in.method
+                    ),
+                )
+                redirect = RedirectResponse(target, status_code=303)
+                self.auth.set_session_cookie(redirect, request, signed_in.session_key)
+                return redirect
+            logger.warning("dashboard login refused", extra=log_extra(action="dashboard.login_refused"))
+            error, status_code = "That token does not open the dashboard.", 401
+        form_token = self.auth.prepare_login_csrf(request)
+        anonymous = Identity("anonymous", "anonymous", role="viewer")
+        response = self.render(
+            request, "login.html", anonymous, status_code, error=error, next=target, csrf_token=form_token
+        )
+        self.auth.login_csrf(request, response)
+        return response
 
     async def logout(self, request: Request) -> Response:
+        """End the session (its row is deleted: the cookie opens nothing any more)."""
         form = _form_values((await request.form()).multi_items())
         self.auth.check_csrf(request, next(iter(form.get("csrf_token", [])), None))
-        self.auth.log_out(request)
-        return RedirectResponse(self.path(request, "login"), status_code=303)
+        identity = self.auth.identity(request)
+        await run_in_threadpool(self.auth.log_out, identity)
+        logger.info("dashboard logout", extra=log_extra(action="dashboard.logout", operator=identity.actor))
+        response = RedirectResponse(self.path(request, "login"), status_code=303)
+        self.auth.clear_session_cookie(response, request)
+        return response
 
     # --- actions ------------------------------------------------------------------------------
     async def _action_request(self, request: Request) -> tuple[Identity, Action, dict[str, list[str]], Any]:
@@ -544,6 +586,12 @@ class Pages:
         identity = self.auth.identity(request)
         if not identity.authenticated:
             raise Forbidden("actions need an authenticated operator; sign in first")
+        if not identity.can_act:
+            raise Forbidden(f"{identity.name} is a {identity.role}: viewers read, operators act")
+        if identity.tenants is not None and not action.tenant_scoped:
+            raise Forbidden(
+                f"{action.title} acts on every tenant; an operator restricted to tenants may not use it"
+            )
         form = _form_values((await request.form()).multi_items())
         self.auth.check_csrf(request, next(iter(form.get("csrf_token", [])), None))
         fields = {k: v for k, v in form.items() if k not in ("csrf_token", "confirmed")}
@@ -563,7 +611,10 @@ class Pages:
             identity, action, fields, params = await self._action_request(request)
         except ActionInputError as exc:
             return self._input_error(request, exc)
-        report = await run_in_threadpool(action.preview, self._context(identity), params)
+        try:
+            report = await run_in_threadpool(action.preview, self._context(identity), params)
+        except ActionInputError as exc:  # what only the action can check (the operator's tenants)
+            return self._input_error(request, exc)
         return self.render(
             request,
             "action_confirm.html",
@@ -582,7 +633,10 @@ class Pages:
         form = await request.form()
         if form.get("confirmed") != "yes":
             return self._input_error(request, ActionInputError("confirm the action on its confirmation page"))
-        report = await run_in_threadpool(action.perform, self._context(identity), params)
+        try:
+            report = await run_in_threadpool(action.perform, self._context(identity), params)
+        except ActionInputError as exc:
+            return self._input_error(request, exc)
         logger.info(
             "dashboard action",
             extra=log_extra(
@@ -617,11 +671,18 @@ class Pages:
             headers["HX-Redirect"] = self.path(request, "login")
         return PlainTextResponse("authentication required\n", status_code=401, headers=headers)
 
+    def _known_identity(self, request: Request) -> Identity | None:
+        """The request's identity for an error page, or None when it has none usable
+        (unauthenticated, restricted from this page, or the session table unreadable)."""
+        try:
+            return self.auth.identity(request)
+        except (Unauthenticated, Forbidden, sa.exc.DBAPIError):
+            return None
+
     async def forbidden(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, Forbidden)
-        try:
-            identity = self.auth.identity(request)
-        except Unauthenticated:
+        identity = self._known_identity(request)
+        if identity is None:
             return PlainTextResponse(f"forbidden: {exc.reason}\n", status_code=403)
         return self.render(
             request, "error.html", identity, 403, title="Refused", message=exc.reason, page="error"
@@ -629,9 +690,8 @@ class Pages:
 
     async def http_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        try:
-            identity = self.auth.identity(request)
-        except Unauthenticated:
+        identity = self._known_identity(request)
+        if identity is None:
             return PlainTextResponse(f"{exc.detail}\n", status_code=exc.status_code)
         return self.render(
             request,
@@ -651,13 +711,18 @@ class Pages:
             first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
             message = redact_url(f"cannot read the outbox database: {type(cause).__name__}: {first}"[:400])
         logger.warning("dashboard database error", extra=log_extra(action="dashboard.database_error"))
-        try:
-            identity = self.auth.identity(request)
-        except Unauthenticated:
+        identity = self._known_identity(request)
+        if identity is None:
             return PlainTextResponse("database unavailable\n", status_code=503)
         return self.render(
             request, "error.html", identity, 503, title="Database unavailable", message=message, page="error"
         )
+
+
+def _offered(actions: list[Action], identity: Identity) -> list[Action]:
+    """The actions a page offers ``identity``: an operator restricted to tenants is offered
+    only those that apply the restriction (the others would answer 403)."""
+    return [a for a in actions if identity.tenants is None or a.tenant_scoped]
 
 
 def _raw_filters(request: Request) -> dict[str, str]:
@@ -683,24 +748,36 @@ def create_app(
         settings: Database, SQS, Valkey and ``dashboard_*`` settings; default
             :meth:`OutboxSettings.from_env`.
         engine: An engine of the application's for the outbox database; default: the
-            dashboard's own (read-only for pages, with a 10 s statement timeout).
+            dashboard's own (read-only for pages, with a 10 s statement timeout; sessions
+            and actions write through a second, small one).
         identify: For an application that mounts the dashboard behind its own
-            authentication: returns the operator's name for a request, or None to refuse
-            it (401). Used only when the settings set neither ``dashboard_token`` nor
-            ``dashboard_basic_auth``.
-        secret_key: Signs the session cookie; give the same one to every replica when
-            the dashboard has no token or basic auth of its own (default: derived from
-            those, else random per process).
+            authentication: returns the operator for a request (a name, with the role
+            ``operator``, or a :class:`~sqla_outbox.operators.Operator` with a role and
+            tenants), or None to refuse it (401). Used only when the settings configure no
+            authentication of the dashboard's own.
+        secret_key: Deprecated and unused: sessions are kept in PostgreSQL
+            (``dashboard_sessions``) and their cookie holds a random key, so there is
+            nothing to sign. Passing it warns.
         actions: The actions offered (default :func:`default_actions`); register new
             controls here.
-        https_only: Mark the session cookie ``Secure`` (serve the dashboard over HTTPS).
+        https_only: Mark the cookies ``Secure`` (as ``dashboard_secure_cookies`` does).
 
     Returns:
         A Starlette application; ``app.state.dashboard`` is its :class:`Dashboard`
         (call ``close()`` on shutdown to release its connections).
+
+    Raises:
+        ConfigurationError: A proxy user header without the proxy's addresses.
     """
+    if secret_key is not None:
+        warnings.warn(
+            "create_app(secret_key=...) is no longer used: dashboard sessions are kept in "
+            "PostgreSQL and their cookie carries only a random key; drop the argument",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     settings = settings if settings is not None else OutboxSettings.from_env()
-    auth = Auth(settings, identify=identify, secret_key=secret_key)
+    auth = Auth(settings, identify=identify, secure_cookies=https_only)
     queues, tasks = QUEUE_NAMES, None  # no catalog (or a broken one): nothing to check against
     if Path(settings.catalog_path).exists():
         with contextlib.suppress(errors.CatalogError):
@@ -709,7 +786,20 @@ def create_app(
     dashboard = Dashboard(
         settings, engine=engine, actions=actions or default_actions(queues, tasks), auth=auth
     )
+    auth.bind(read=dashboard.read_engine, write=dashboard.write_engine)
     pages = Pages(dashboard)
+    # pages that apply an identity's tenant restriction themselves; every other page
+    # refuses an operator restricted to tenants (Auth.identity)
+    auth.allow_tenant_scoped(
+        pages.overview,  # redirects them to their runs
+        pages.runs_list,
+        pages.run_page,
+        pages.dlq_page,
+        pages.login,
+        pages.logout,
+        pages.action_preview,
+        pages.action_perform,
+    )
     routes = [
         Route("/", pages.overview, name="overview"),
         Route("/overview/live", pages.overview_live, name="overview_live"),
@@ -725,17 +815,16 @@ def create_app(
         Route("/actions/{name}", pages.action_perform, methods=["POST"], name="action"),
         Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),
     ]
-    middleware = [
-        Middleware(
-            SessionMiddleware,
-            secret_key=auth.secret_key,
-            session_cookie=SESSION_COOKIE,
-            same_site="strict",
-            https_only=https_only,
-            max_age=12 * 3600,
-        ),
-        Middleware(_SecurityHeaders),
-    ]
+    middleware = []
+    if settings.dashboard_allowed_hosts:  # DNS rebinding: only the configured names
+        middleware.append(
+            Middleware(
+                TrustedHostMiddleware,
+                allowed_hosts=list(settings.dashboard_allowed_hosts),
+                www_redirect=False,
+            )
+        )
+    middleware += [Middleware(_Access, auth=auth), Middleware(_SecurityHeaders)]
     app = Starlette(
         routes=routes,
         middleware=middleware,
@@ -749,6 +838,55 @@ def create_app(
     app.state.dashboard = dashboard
     pages.router = app.router
     return app
+
+
+class _Access:
+    """The access middleware: every request but a static file is authenticated here, once,
+    before any page or action runs (:meth:`Auth.resolve`, in a thread: it may read the
+    session table). The identity, or why there is none, is left in the scope for
+    :meth:`Auth.identity`, which every page and action calls: a page added later is
+    covered without doing anything. A browser authenticated per request (basic auth, a
+    proxy, the host application) gets its session here on its first page (a ``GET``),
+    for its CSRF token."""
+
+    def __init__(self, app: Any, auth: Auth) -> None:
+        self.app = app
+        self.auth = auth
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or _is_static(scope):
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        identity: Identity | BaseException
+        started: str | None = None
+        try:
+            identity = await run_in_threadpool(self.auth.resolve, request)
+            if self.auth.needs_session(identity) and scope.get("method") in ("GET", "HEAD"):
+                identity = await run_in_threadpool(self.auth.start_session, identity)
+                started = identity.session_key
+        except (Unauthenticated, sa.exc.DBAPIError) as exc:
+            identity = exc
+        scope[IDENTITY_KEY] = identity
+        if started is None:
+            await self.app(scope, receive, send)
+            return
+        cookie = Response()
+        self.auth.set_session_cookie(cookie, request, started)
+        header = next(v for k, v in cookie.raw_headers if k == b"set-cookie")
+
+        async def sending(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"set-cookie", header)]
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
+def _is_static(scope: Any) -> bool:
+    root = str(scope.get("root_path", "")).rstrip("/")
+    path = str(scope.get("path", ""))
+    return path.startswith(root + "/static/") or path.startswith("/static/")
 
 
 class _SecurityHeaders:

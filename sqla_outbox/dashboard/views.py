@@ -123,12 +123,14 @@ class DlqQuery:
 
 def dlq_query(params: Mapping[str, str], *, queues: Sequence[str] = QUEUE_NAMES) -> DlqQuery:
     """The DLQ page's filters: ``queue`` (one of ``queues``: the four, plus declared ones),
-    ``task``, ``older_than`` (``10m``, ``2h``, ``7d``).
+    ``task``, ``older_than`` (``10m``, ``2h``, ``7d``), and ``include_unverified=yes`` (offer
+    requeues of copies nothing vouches for too).
 
     Raises:
         FilterError: A parameter is invalid.
     """
-    values = {k: params.get(k, "").strip() for k in ("queue", "task", "older_than")}
+    values = {k: params.get(k, "").strip() for k in ("queue", "task", "older_than", "include_unverified")}
+    values["include_unverified"] = "yes" if values["include_unverified"] == "yes" else ""
     _storable(values)
     if values["queue"] and values["queue"] not in queues:
         raise FilterError(f"queue: {values['queue']!r} is not one of {', '.join(queues)}")
@@ -282,3 +284,25 @@ def pretty_json(value: Any) -> str:
 
 def short_id(value: uuid.UUID | str | None) -> str:
     return "-" if value is None else str(value)[:8]
+
+
+HIDDEN_ANSWER = "(hidden: a receiver's answer is shown where payloads are)"
+
+
+def without_answers(trail: Sequence[TrailEntry]) -> list[TrailEntry]:
+    """``trail`` with what webhook receivers answered (content type and body excerpt in
+    ``detail.webhook.response``) replaced by a note: a receiver is written by a tenant and
+    may be an internal service, so its answer is shown only to whom payloads are shown."""
+    out = []
+    for step in trail:
+        detail = step.detail
+        webhook = detail.get("webhook") if isinstance(detail, dict) else None
+        response = webhook.get("response") if isinstance(webhook, dict) else None
+        if not isinstance(response, dict) or not ({"body", "content_type"} & response.keys()):
+            out.append(step)
+            continue
+        shown = {k: v for k, v in response.items() if k not in ("body", "content_type", "body_truncated")}
+        shown["body"] = HIDDEN_ANSWER
+        assert isinstance(detail, dict) and isinstance(webhook, dict)
+        out.append(dataclasses.replace(step, detail={**detail, "webhook": {**webhook, "response": shown}}))
+    return out

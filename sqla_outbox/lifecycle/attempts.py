@@ -18,6 +18,7 @@ import dataclasses
 import datetime as dt
 import enum
 import json
+import math
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,9 @@ from sqla_outbox import charsets
 from sqla_outbox.lifecycle import columns
 
 TRACEBACK_CHARS = 4000
+RETRY_DUE_TOLERANCE_SECONDS = 1.0
+"""A retrying run is due this much before its message's visibility ends (see
+:func:`mark_retrying`): the message must find the run due, or its receive is spent."""
 MESSAGE_CHARS = 2000
 
 
@@ -280,6 +284,8 @@ RETURNING 1
 _ERROR_SET = ", last_error_type = :error_type, last_error = :error_message"
 _SUCCEED = _transition("succeeded", ", finished_at = clock_timestamp(), result = CAST(:result AS jsonb)")
 _CANCEL = _transition("cancelled", ", finished_at = clock_timestamp()", cancel_requested=True)
+# the next try's time: a copy of the run that arrives before it is an early copy (take_lease
+# answers NOT_DUE), whoever sent it; the run's own message comes back after the same delay
 _RETRY = _transition(
     "retrying",
     _ERROR_SET + ", available_at = clock_timestamp() + make_interval(secs => CAST(:backoff AS float8))",
@@ -426,8 +432,16 @@ def mark_retrying(
     (``available_at``: a copy received before then is an early copy and waits); False when
     the attempt no longer holds the run.
 
+    The run's ``available_at`` becomes when it may run next (database clock): now plus the
+    backoff in whole seconds (SQS ChangeMessageVisibility takes whole seconds; the worker
+    rounds, and asks only after this commits), less :data:`RETRY_DUE_TOLERANCE_SECONDS`, so
+    the run's own message, hidden for that long, never comes back before it. Any copy
+    received earlier is an early copy (:func:`take_lease` answers NOT_DUE), whoever sent
+    it: a replayed, validly signed copy of a retrying run waits for the backoff too.
+
     Args:
-        backoff_seconds: Seconds until the next try, 0..43,200.
+        backoff_seconds: Seconds until the next try, 0..43,200 (the verdict's delay: the
+            backoff, a ``Retry(delay_seconds)``, a receiver's ``Retry-After``).
         detail: The handler's ``ctx.trail_detail``; ``backoff_seconds`` wins over its key.
         via_outbox: The next try comes as a fresh message: the run's outbox row is pending
             again, due after the delay (written again from the run and ``document`` if it
@@ -440,7 +454,7 @@ def mark_retrying(
     if via_outbox:
         merged["via"] = "outbox"
     params = _params(attempt, failure, merged)
-    params["backoff"] = backoff_seconds
+    params["backoff"] = max(math.floor(backoff_seconds) - RETRY_DUE_TOLERANCE_SECONDS, 0.0)
     if connection.execute(_RETRY, params).first() is None:
         return False
     if via_outbox:

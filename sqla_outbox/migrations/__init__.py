@@ -52,6 +52,7 @@ OUTBOX_TABLES = (
     "schedule_tenant_slots",
     "flow_pauses",
     "tenant_flow",
+    "dashboard_sessions",
 )
 """The tables the migrations create (the version table aside)."""
 

@@ -18,11 +18,17 @@ sent it straight to the DLQ; the two cannot be told apart, so it is shown as
 find a missing ``run_id``/``task``; payloads are never returned, printed or logged.
 
 Attributes are whatever the sender wrote (anyone with ``sqs:SendMessage`` on a DLQ can
-write any). The body's origin is checked when signing keys are set: the relay's
-``signature`` attribute, which the worker keeps when it dead-letters, must be the
-body's HMAC under one of ``signing_keys`` (``origin`` ``verified``); the run, task and
-tenant shown are then the signed body's. Otherwise ``origin`` is ``unverified`` (keys
-set, no valid signature) or ``unchecked`` (no keys: nothing to check with).
+write any), so nothing is decided on them. :func:`resolve` checks each message against
+the database, and what is shown and filtered on is then the run's own row in
+``task_runs`` (its task, tenant, status and when it failed), never the attributes. Each
+message's ``origin`` says how far its body can be trusted:
+
+* ``verified``: signing keys are set and the relay's ``signature`` attribute, which the
+  worker keeps when it dead-letters, is the body's HMAC under one of ``signing_keys``;
+* ``ledger``: the body is the envelope the run's outbox row holds (compared field by
+  field), so the database vouches for it;
+* ``unverified``: neither (no keys and the run's outbox row purged, or a body that is not
+  the run's). ``dlq requeue`` and the dashboard act on such a copy only when asked to.
 
 The scan stops when it has seen as many messages as the queue's
 ``ApproximateNumberOfMessages`` said at the start, when a 1-second long poll comes back
@@ -34,18 +40,20 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import logging
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from sqlalchemy import bindparam, text
+from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
 
 from sqla_outbox import envelope
-from sqla_outbox.config import OutboxSettings
+from sqla_outbox.config import SQS_MAX_MESSAGE_BYTES, OutboxSettings
 from sqla_outbox.logging import log_extra
-from sqla_outbox.ops.runs import statuses_of
 from sqla_outbox.sqs.client import SQS_MAX_BATCH_ENTRIES, QueueDirectory, error_code, is_missing_queue
 from sqla_outbox.types import QUEUE_NAMES
 
@@ -63,10 +71,16 @@ sent straight to the DLQ by anyone allowed to)."""
 
 ORIGIN_VERIFIED = "verified"
 """Signing keys are set and the body's ``signature`` attribute is its HMAC under one of them."""
+ORIGIN_LEDGER = "ledger"
+"""Not signed (or no keys), but the body is the envelope the run's outbox row holds."""
 ORIGIN_UNVERIFIED = "unverified"
-"""Signing keys are set and the signature is missing or wrong: not a body our relay sent."""
+"""Neither signed nor matching the run's outbox row: nothing vouches for the body."""
 ORIGIN_UNCHECKED = "unchecked"
-"""No signing keys: a body's origin cannot be checked."""
+"""A body used although nothing could verify it (``--trust-dlq-body``, no signing keys);
+said of a rebuilt outbox row, never of a message in a listing."""
+
+_RESOLVE_CHUNK = 50
+"""Runs read per statement by :func:`resolve` (their outbox envelopes are compared)."""
 
 _BODY_PEEK_BYTES = 1_048_576
 _NAME_CHARS = 200
@@ -93,7 +107,17 @@ class DeadLetter:
         age_seconds: Now minus ``failed_at``.
         run_status: The run's status in ``task_runs`` when the database was asked
             (``failed`` = can be requeued); None when unknown or not asked.
-        origin: ``verified``, ``unverified`` or ``unchecked`` (see the module docstring).
+        origin: ``verified``, ``ledger`` or ``unverified`` (see the module docstring);
+            ``ledger`` only once :func:`resolve` compared the body with the database.
+        resolved: :func:`resolve` read the run's row: ``task``, ``tenant_id`` and
+            ``run_status`` are the row's (when it exists), not the message's claims.
+        claims: What the message claimed that its run's row contradicts, as
+            ``(field, claimed value)`` pairs (``task``, ``tenant_id``, ``queue``).
+        run_queue: The run's queue (from its row), when resolved.
+        run_failed_age_seconds: Now minus the run's ``finished_at`` (database clock), when
+            resolved and finished.
+        digest: Identity of the envelope the body carries (canonical form), or None when
+            the body is not an envelope; never shown.
     """
 
     queue: str
@@ -108,7 +132,12 @@ class DeadLetter:
     failed_at: dt.datetime | None
     age_seconds: float | None
     run_status: str | None = None
-    origin: str = ORIGIN_UNCHECKED
+    origin: str = ORIGIN_UNVERIFIED
+    resolved: bool = False
+    claims: tuple[tuple[str, str], ...] = ()
+    run_queue: str | None = None
+    run_failed_age_seconds: float | None = None
+    digest: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass
@@ -133,6 +162,8 @@ class DeadLetterFilter:
         tasks: Task names (any of). queues: Logical queues whose DLQs are scanned
             (default all ``known``). older_than: Only messages dead-lettered longer ago.
         run_ids: Only these runs.
+        tenant_ids: When not None, only runs of these tenants (never platform runs; a
+            dashboard operator restricted to tenants), matched on the run's row.
         known: Every logical queue: the four, plus the catalog's declared queues
             (:meth:`~sqla_outbox.catalog.Catalog.queue_names`).
     """
@@ -142,18 +173,31 @@ class DeadLetterFilter:
     older_than: dt.timedelta | None = None
     run_ids: frozenset[uuid.UUID] = frozenset()
     known: tuple[str, ...] = QUEUE_NAMES
+    tenant_ids: frozenset[int] | None = None
 
     def scanned_queues(self) -> tuple[str, ...]:
         return tuple(q for q in self.known if not self.queues or q in self.queues)
 
     def matches(self, letter: DeadLetter) -> bool:
-        """True when ``letter`` passes the task, age and run filters (not the queue one)."""
-        if self.tasks and letter.task not in self.tasks:
-            return False
+        """True when ``letter`` passes the task, age and run filters (not the queue one).
+
+        On a :func:`resolve`-d letter, the task and the age are the run's own (its row's
+        task, and how long ago it failed): a message whose run has no row matches no task
+        or age filter. An unresolved letter (no database at hand) is matched on what the
+        message claims.
+        """
         if self.run_ids and letter.run_id not in self.run_ids:
             return False
+        known = not letter.resolved or letter.run_status is not None
+        if self.tasks and (not known or letter.task not in self.tasks):
+            return False
+        if self.tenant_ids is not None and (
+            not letter.resolved or letter.run_status is None or letter.tenant_id not in self.tenant_ids
+        ):
+            return False
         if self.older_than is not None:
-            return letter.age_seconds is not None and letter.age_seconds >= self.older_than.total_seconds()
+            age = letter.run_failed_age_seconds if letter.resolved else letter.age_seconds
+            return known and age is not None and age >= self.older_than.total_seconds()
         return True
 
 
@@ -226,22 +270,41 @@ def _failed_at(attributes: Mapping[str, str], system: Mapping[str, Any]) -> dt.d
 
 
 def origin_of(body: str, attributes: Mapping[str, str], keys: Sequence[str]) -> str:
-    """``verified``, ``unverified`` or ``unchecked``: whether ``body`` carries the relay's
-    signature (the ``signature`` attribute, HMAC-SHA256 under one of ``keys``)."""
-    if not keys:
-        return ORIGIN_UNCHECKED
+    """``verified`` or ``unverified``: whether ``body`` carries the relay's signature (the
+    ``signature`` attribute, HMAC-SHA256 under one of ``keys``; never without keys).
+    :func:`resolve` may then find it is the run's envelope (``ledger``)."""
     signature = attributes.get(envelope.SIGNATURE_ATTRIBUTE)
-    return ORIGIN_VERIFIED if envelope.signature_valid(body, signature, keys) else ORIGIN_UNVERIFIED
+    if keys and envelope.signature_valid(body, signature, keys):
+        return ORIGIN_VERIFIED
+    return ORIGIN_UNVERIFIED
+
+
+def envelope_digest(body: str, *, max_bytes: int = SQS_MAX_MESSAGE_BYTES) -> str | None:
+    """Identity of the envelope ``body`` carries: SHA-256 of its canonical form (SQS or the
+    database may hand the same envelope back with another key order or spacing), or None
+    when ``body`` is not an envelope."""
+    try:
+        document = envelope.encode_document(envelope.decode(body, max_bytes=max_bytes).to_document())
+    except envelope.MalformedEnvelope:
+        return None
+    return hashlib.sha256(document.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def parse_message(
-    queue: str, dlq: str, message: Mapping[str, Any], *, now: dt.datetime, keys: Sequence[str] = ()
+    queue: str,
+    dlq: str,
+    message: Mapping[str, Any],
+    *,
+    now: dt.datetime,
+    keys: Sequence[str] = (),
+    max_bytes: int = SQS_MAX_MESSAGE_BYTES,
 ) -> Received:
     """Turn a ReceiveMessage entry of ``queue``'s DLQ into a :class:`Received`.
 
     Args:
         keys: Signing keys (``signing_keys``); with them, a body whose signature verifies
             is the authority for run, task and tenant (attributes are unsigned).
+        max_bytes: Largest body decoded as an envelope (``max_message_bytes``).
     """
     attributes = _string_attributes(message)
     body = str(message.get("Body", ""))
@@ -266,6 +329,7 @@ def parse_message(
         failed_at=failed_at,
         age_seconds=None if failed_at is None else max(0.0, (now - failed_at).total_seconds()),
         origin=origin,
+        digest=envelope_digest(body, max_bytes=max_bytes),
     )
     return Received(letter=letter, receipt_handle=str(message["ReceiptHandle"]), body=body)
 
@@ -303,6 +367,7 @@ class DeadLetterScan:
         self.dlq_name = directory.settings.dlq_url_name(queue)
         self.url = directory.dlq_url(queue)
         self.keys = directory.settings.signing_keys
+        self.max_body_bytes = directory.settings.max_message_bytes
         self.visibility_seconds = visibility_seconds
         self.max_messages = max_messages
         self.truncated = False
@@ -345,7 +410,9 @@ class DeadLetterScan:
             now = dt.datetime.now(dt.UTC)
             batch: list[Received] = []
             for message in messages:
-                received = parse_message(self.queue, self.dlq_name, message, now=now, keys=self.keys)
+                received = parse_message(
+                    self.queue, self.dlq_name, message, now=now, keys=self.keys, max_bytes=self.max_body_bytes
+                )
                 message_id = received.letter.message_id
                 self._held[message_id] = received.receipt_handle  # newest receipt handle wins
                 if message_id not in self._seen:
@@ -406,6 +473,104 @@ class DeadLetterScan:
         return self._held.get(message.letter.message_id, message.receipt_handle)
 
 
+_RUNS_OF = text(
+    """
+SELECT r.run_id, r.task, r.queue, r.tenant_id, r.status,
+       EXTRACT(EPOCH FROM clock_timestamp() - r.finished_at)::float8 AS failed_age,
+       COALESCE(o.envelope, p.envelope) AS envelope
+FROM task_runs AS r
+LEFT JOIN outbox_messages AS o ON o.run_id = r.run_id
+LEFT JOIN platform_outbox_messages AS p ON p.run_id = r.run_id
+WHERE r.run_id = ANY(:run_ids)
+"""
+).bindparams(bindparam("run_ids", type_=ARRAY(UUID(as_uuid=True))))
+
+
+def resolve(
+    connection: Connection, letters: Sequence[DeadLetter], *, max_bytes: int = SQS_MAX_MESSAGE_BYTES
+) -> list[DeadLetter]:
+    """``letters`` checked against the database: each one's run row, and its origin.
+
+    For a letter whose run exists, ``task``, ``tenant_id``, ``run_status``, ``run_queue``
+    and ``run_failed_age_seconds`` become the row's, and ``claims`` keeps what the message
+    claimed otherwise; ``origin`` becomes ``ledger`` when the body is the envelope of the
+    run's outbox row (canonical forms compared: :func:`envelope_digest`) and it was not
+    ``verified`` already. A letter whose run has no row keeps its claims, with
+    ``run_status`` None. Every letter comes back ``resolved``, in the same order.
+
+    Args:
+        connection: Any connection (reads only); runs are read 50 at a time.
+        letters: From a DLQ scan.
+        max_bytes: Largest envelope decoded (``max_message_bytes``).
+    """
+    wanted = sorted({x.run_id for x in letters if x.run_id is not None})
+    rows: dict[uuid.UUID, tuple[Any, str | None]] = {}
+    for start in range(0, len(wanted), _RESOLVE_CHUNK):
+        chunk = wanted[start : start + _RESOLVE_CHUNK]
+        for row in connection.execute(_RUNS_OF, {"run_ids": chunk}):
+            held = (
+                None
+                if row.envelope is None
+                else envelope_digest(json.dumps(row.envelope), max_bytes=max_bytes)
+            )
+            rows[row.run_id] = (row, held)
+    out = []
+    for letter in letters:
+        found = rows.get(letter.run_id) if letter.run_id is not None else None
+        if found is None:
+            out.append(dataclasses.replace(letter, resolved=True, run_status=None))
+            continue
+        row, held = found
+        claims = tuple(
+            (name, str(claimed))
+            for name, claimed, actual in (
+                ("task", letter.task, row.task),
+                ("tenant_id", letter.tenant_id, row.tenant_id),
+                ("queue", letter.queue, row.queue),
+            )
+            if claimed is not None and claimed != actual
+        )
+        origin = letter.origin
+        if origin != ORIGIN_VERIFIED:
+            origin = ORIGIN_LEDGER if held is not None and letter.digest == held else ORIGIN_UNVERIFIED
+        out.append(
+            dataclasses.replace(
+                letter,
+                task=str(row.task),
+                tenant_id=row.tenant_id,
+                run_status=str(row.status),
+                run_queue=str(row.queue),
+                run_failed_age_seconds=None if row.failed_age is None else max(0.0, float(row.failed_age)),
+                claims=claims,
+                origin=origin,
+                resolved=True,
+            )
+        )
+    return out
+
+
+def finish(
+    listing: DeadLetterListing,
+    filters: DeadLetterFilter,
+    *,
+    connection: Connection | None,
+    limit: int | None,
+    max_bytes: int = SQS_MAX_MESSAGE_BYTES,
+) -> DeadLetterListing:
+    """Resolve (with ``connection``), filter, order (by queue, oldest first) and cut a
+    listing whose letters were gathered unfiltered; see :func:`list_dead_letters`."""
+    letters = listing.letters
+    if connection is not None:
+        letters = resolve(connection, letters, max_bytes=max_bytes)
+    letters = [x for x in letters if filters.matches(x)]
+    order = {queue: n for n, queue in enumerate(filters.known)}
+    letters.sort(key=lambda x: (order.get(x.queue, len(order)), -(x.age_seconds or 0.0)))
+    if limit is not None and len(letters) > limit:
+        letters, listing.truncated = letters[:limit], True
+    listing.letters = letters
+    return listing
+
+
 def list_dead_letters(
     client: Any,
     settings: OutboxSettings,
@@ -420,9 +585,12 @@ def list_dead_letters(
 
     Args:
         client: boto3 SQS client.
-        settings: Queue names (``queue_prefix``).
+        settings: Queue names (``queue_prefix``), ``signing_keys``, ``max_message_bytes``.
         filters: See :class:`DeadLetterFilter`.
-        connection: When given, each message's ``run_status`` is read from ``task_runs``.
+        connection: When given, every message is :func:`resolve`-d against the database
+            (its run's row and its origin) before the filters apply, so they match the
+            run's own task and failure time; without one, only the messages' claims can be
+            matched and no origin is ``ledger``.
         limit: Most messages returned (after filtering; oldest kept first per queue).
         visibility_seconds: How long messages stay hidden during the scan.
         max_messages: Most messages received per DLQ.
@@ -438,7 +606,7 @@ def list_dead_letters(
             with DeadLetterScan(
                 client, directory, queue, visibility_seconds=visibility_seconds, max_messages=max_messages
             ) as scan:
-                letters = [r.letter for batch in scan.batches() for r in batch if filters.matches(r.letter)]
+                letters = [r.letter for batch in scan.batches() for r in batch]
                 listing.scanned[queue] = scan.received
                 listing.truncated = listing.truncated or scan.truncated
         except Exception as exc:
@@ -446,15 +614,5 @@ def list_dead_letters(
                 raise
             listing.missing_queues.append(settings.dlq_url_name(queue))
             continue
-        letters.sort(key=lambda letter: -(letter.age_seconds or 0.0))
         listing.letters.extend(letters)
-    if limit is not None and len(listing.letters) > limit:
-        listing.letters = listing.letters[:limit]
-        listing.truncated = True
-    if connection is not None:
-        statuses = statuses_of(connection, [x.run_id for x in listing.letters if x.run_id is not None])
-        listing.letters = [
-            dataclasses.replace(x, run_status=statuses.get(x.run_id)) if x.run_id else x
-            for x in listing.letters
-        ]
-    return listing
+    return finish(listing, filters, connection=connection, limit=limit, max_bytes=settings.max_message_bytes)

@@ -35,6 +35,17 @@ and the delete, the DLQ message stays; requeueing it again is refused (the run i
 **What a DLQ message is trusted for.** Anyone with ``sqs:SendMessage`` on a queue or a
 DLQ can write any body and any attributes (``docs/security.md``). So:
 
+* the filters (``tasks``, ``older_than``, ``queues``) match the run's own row in
+  ``task_runs`` (its task, when it failed, its queue), read when the message is
+  resolved (:func:`sqla_outbox.ops.dlq.resolve`) and again on the locked row, never the
+  DLQ message's attributes: a forged message claiming ``task=record`` does not put a
+  failed ``charge`` run among ``--task record``;
+* without signing keys, a copy whose origin is ``unverified`` (not the envelope of the
+  run's outbox row, or the row was purged: :mod:`sqla_outbox.ops.dlq`) is not acted on
+  unless ``include_unverified`` (``--include-unverified``, implied by
+  ``--trust-dlq-body``) says so (``unverified``); a message naming no run in
+  ``task_runs`` is ``unknown-run``;
+
 * a message is never acted on when the worker refused it unexecuted (``bad-signature``,
   ``malformed-envelope:*``, ``unknown-run``, ``envelope-mismatch``, ``wrong-queue``: it
   is not the run's own message), when it names no run (``not-a-run``), when it was found
@@ -43,7 +54,7 @@ DLQ can write any body and any attributes (``docs/security.md``). So:
   DLQ; ``include_no_reason`` / ``--include-no-reason`` acts on it);
 * with ``signing_keys`` set, only messages whose body carries the relay's signature
   (kept by the worker when it dead-letters) are acted on; the run is the signed body's.
-  Others are reported as ``unverified`` and left in the DLQ;
+  Others (``ledger`` copies included) are reported as ``unverified`` and left in the DLQ;
 * the database stays the truth: a run is requeued only if ``task_runs`` says ``failed``,
   and while its outbox row exists the row is what is sent again, never the DLQ body;
 * a purged row is rebuilt from a signed body; without signing keys, only with
@@ -87,12 +98,14 @@ from sqla_outbox.lifecycle import rescue
 from sqla_outbox.logging import log_extra
 from sqla_outbox.ops.dlq import (
     NO_REASON,
+    ORIGIN_LEDGER,
     ORIGIN_UNCHECKED,
     ORIGIN_VERIFIED,
     DeadLetter,
     DeadLetterFilter,
     DeadLetterScan,
     Received,
+    resolve,
 )
 from sqla_outbox.sqs.client import QueueDirectory, is_missing_queue
 from sqla_outbox.types import UNFINISHED_STATUSES, WAKE_CHANNEL
@@ -127,6 +140,15 @@ FOREIGN_REASONS = frozenset({"bad-signature", "unknown-run", "envelope-mismatch"
 (:func:`sqla_outbox.worker.handle._dead_letter_foreign`), plus every
 ``malformed-envelope:*``. Such a message is not the run's own message (it may be forged),
 so it is never requeued, even when it names a real failed run."""
+
+
+def vouched_for(letter: DeadLetter, settings: OutboxSettings) -> bool:
+    """Whether something vouches for this DLQ copy: its signature (with signing keys), or,
+    without keys, the database (``ledger``: it is the envelope of the run's outbox row).
+    Requeues act on other copies only when asked to (``include_unverified``)."""
+    if settings.signing_keys:
+        return letter.origin == ORIGIN_VERIFIED
+    return letter.origin in (ORIGIN_VERIFIED, ORIGIN_LEDGER)
 
 
 def is_foreign(letter: DeadLetter) -> bool:
@@ -257,9 +279,12 @@ def _skip(item: RequeueItem, reason: str, detail: str) -> RequeueItem:
 
 
 def _filters_exclude(filters: DeadLetterFilter, run: Any) -> str | None:
-    """For database-only requeues: why the run does not match the other filters."""
+    """Why the locked run row does not match the task, queue or age filters (the run's own
+    values: a DLQ message's attributes are never consulted)."""
     if filters.tasks and run.task not in filters.tasks:
         return f"task {run.task!r} is not among --task"
+    if filters.tenant_ids is not None and run.tenant_id not in filters.tenant_ids:
+        return "not a run of the tenants this operator may act on"
     if filters.queues and run.queue not in filters.queues:
         return f"queue {run.queue!r} is not among --queue"
     if filters.older_than is not None and (
@@ -327,7 +352,8 @@ def requeue_run(
             for a database-only requeue (a purged row is then not rebuilt).
         source: ``dlq`` or ``database`` (recorded in the item and the trail).
         trail_detail: Extra keys for the trail row's detail.
-        filters: For database-only requeues, the task/queue/age filters to honour.
+        filters: The task/queue/age filters to honour, checked on the locked row (the
+            run's own task, queue and failure time).
         dlq_queue: The logical queue whose DLQ held the message; a run of another queue
             is refused (its own messages are in its own queue's DLQ).
         operator: Who asked, recorded as the trail row's ``worker_id`` (default
@@ -486,6 +512,7 @@ def requeue(
     waker: Waker | None = None,
     trust_dlq_body: bool = False,
     include_no_reason: bool = False,
+    include_unverified: bool = False,
     visibility_seconds: int = REQUEUE_VISIBILITY_SECONDS,
     max_messages: int = 10_000,
     operator: str | None = None,
@@ -505,6 +532,11 @@ def requeue(
             nothing can verify (when every copy agrees). No effect with signing keys:
             only signed bodies are used then.
         include_no_reason: Also act on DLQ messages without a worker verdict (``no-reason``).
+        include_unverified: Without signing keys, also act on copies whose origin is
+            ``unverified`` (the run is still requeued from its own row; the body is used
+            only as ``trust_dlq_body`` allows, which implies this). No effect with signing
+            keys: only signed copies are acted on then (``run_ids`` reach the others' runs
+            from the database).
         visibility_seconds: How long scanned DLQ messages stay hidden.
         max_messages: Most DLQ messages received per queue.
         operator: Who asked, recorded in each requeued run's trail row (``worker_id``);
@@ -527,7 +559,12 @@ def requeue(
             known_queues = {str(row.queue) for row in rows}
         queues = tuple(q for q in queues if q in known_queues)
     directory = QueueDirectory(client, settings)
-    policy = _Policy(settings, trust_dlq_body=trust_dlq_body, include_no_reason=include_no_reason)
+    policy = _Policy(
+        settings,
+        trust_dlq_body=trust_dlq_body,
+        include_no_reason=include_no_reason,
+        include_unverified=(include_unverified or trust_dlq_body) and not settings.signing_keys,
+    )
     for queue in queues:
         try:
             with DeadLetterScan(
@@ -537,7 +574,18 @@ def requeue(
                 for batch in scan.batches():
                     _collect(engine, policy, batch, filters, report, copies)
                 _decide(
-                    engine, settings, policy, scan, queue, copies, report, by_run, dry_run, waker, operator
+                    engine,
+                    settings,
+                    policy,
+                    scan,
+                    queue,
+                    filters,
+                    copies,
+                    report,
+                    by_run,
+                    dry_run,
+                    waker,
+                    operator,
                 )
         except Exception as exc:
             if not is_missing_queue(exc):
@@ -571,6 +619,7 @@ class _Policy:
     settings: OutboxSettings
     trust_dlq_body: bool
     include_no_reason: bool
+    include_unverified: bool = False
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -597,11 +646,22 @@ class _Policy:
                 "no worker verdict: moved by the SQS redrive policy, or sent straight to the DLQ by "
                 "anyone allowed to; --include-no-reason acts on it",
             )
+        if letter.resolved and letter.run_status is None:
+            return (
+                UNKNOWN_RUN,
+                "no task_runs row for the run this message names (never dispatched, or purged)",
+            )
         if self.keys and letter.origin != ORIGIN_VERIFIED:
             return (
                 UNVERIFIED,
                 "its body does not carry a valid signature under the signing keys: not a message our "
                 "relay sent (or signed with a key no longer configured); never requeued",
+            )
+        if not self.keys and not self.include_unverified and letter.origin != ORIGIN_LEDGER:
+            return (
+                UNVERIFIED,
+                "nothing vouches for this copy: it is not the envelope the run's outbox row holds "
+                "(or the row was purged) and no signing keys are set; --include-unverified acts on it",
             )
         return None
 
@@ -635,23 +695,16 @@ class _Copies:
     digests: set[str] = dataclasses.field(default_factory=set)
     body: str | None = None
 
-    def add(self, received: Received, *, settings: OutboxSettings, keep_body: bool) -> None:
-        self.digests.add(_digest(received.body, settings))
+    def add(self, received: Received, *, keep_body: bool) -> None:
+        self.digests.add(received.letter.digest or _raw_digest(received.body))
         if keep_body and self.body is None:
             self.body = received.body
         self.received.append(dataclasses.replace(received, body=""))
 
 
-def _digest(body: str, settings: OutboxSettings) -> str:
-    """Identity of the envelope a body carries (canonical form: SQS may deliver the same
-    envelope with another key order), or of the raw body when it is not one."""
-    try:
-        document = envelope.encode_document(
-            envelope.decode(body, max_bytes=settings.max_message_bytes).to_document()
-        )
-    except envelope.MalformedEnvelope:
-        document = "raw:" + body
-    return hashlib.sha256(document.encode("utf-8", "surrogatepass")).hexdigest()
+def _raw_digest(body: str) -> str:
+    """Identity of a body that is not an envelope (it then differs from every envelope)."""
+    return "raw:" + hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _collect(
@@ -665,8 +718,10 @@ def _collect(
     """Sort one received batch: messages never acted on become skipped items at once; the
     usable ones join their run's copies (decided when the whole DLQ was read)."""
     usable: list[Received] = []
-    for received in batch:
-        letter = received.letter
+    with engine.connect() as connection:  # the runs' own rows: what filters and origins read
+        letters = resolve(connection, [r.letter for r in batch], max_bytes=policy.settings.max_message_bytes)
+    for received, letter in zip(batch, letters, strict=True):
+        received.letter = letter
         if not filters.matches(letter):
             continue  # released (made visible again) when the scan ends
         refusal = policy.refusal(letter)
@@ -691,9 +746,7 @@ def _collect(
     for received in usable:
         run_id = received.letter.run_id
         assert run_id is not None
-        copies.setdefault(run_id, _Copies()).add(
-            received, settings=policy.settings, keep_body=run_id in needing_a_body
-        )
+        copies.setdefault(run_id, _Copies()).add(received, keep_body=run_id in needing_a_body)
 
 
 def _failed_and_purged(engine: Engine, run_ids: Iterable[uuid.UUID | None]) -> set[uuid.UUID]:
@@ -712,6 +765,7 @@ def _decide(
     policy: _Policy,
     scan: DeadLetterScan,
     queue: str,
+    filters: DeadLetterFilter,
     copies: dict[uuid.UUID, _Copies],
     report: RequeueReport,
     by_run: dict[uuid.UUID, RequeueItem],
@@ -737,6 +791,7 @@ def _decide(
                 "dlq_reason": first.reason,
                 **({"dlq_copies": len(found.received)} if len(found.received) > 1 else {}),
             },
+            filters=filters,
             dlq_queue=queue,
             operator=operator,
         )

@@ -130,6 +130,8 @@ class RunFilter:
         tasks: Task names (any of). statuses: Run statuses (any of).
         queues: Logical queues (any of).
         tenant_id: A tenant id; ``"platform"`` selects runs without a tenant; None: any.
+        tenant_ids: When not None, only runs of these tenants (never platform runs): what a
+            dashboard operator restricted to tenants may see, on top of ``tenant_id``.
         parked: Only runs whose outbox row is parked (True) or is not (False); None: any.
         older_than: Only runs created longer ago than this.
         newer_than: Only runs created more recently than this.
@@ -146,6 +148,7 @@ class RunFilter:
     statuses: tuple[str, ...] = ()
     queues: tuple[str, ...] = ()
     tenant_id: int | str | None = None
+    tenant_ids: frozenset[int] | None = None
     older_than: dt.timedelta | None = None
     newer_than: dt.timedelta | None = None
     created_after: dt.datetime | None = None
@@ -231,6 +234,8 @@ def list_runs(connection: Connection, filters: RunFilter) -> list[RunRecord]:
         query = query.where(task_runs.c.status.in_(list(filters.statuses)))
     if filters.queues:
         query = query.where(task_runs.c.queue.in_(list(filters.queues)))
+    if filters.tenant_ids is not None:
+        query = query.where(task_runs.c.tenant_id.in_(sorted(filters.tenant_ids)))
     if filters.tenant_id == "platform":
         query = query.where(task_runs.c.tenant_id.is_(None))
     elif isinstance(filters.tenant_id, int):
@@ -257,6 +262,14 @@ def list_runs(connection: Connection, filters: RunFilter) -> list[RunRecord]:
         return [_record(row) for row in reversed(list(connection.execute(query)))]
     query = query.order_by(created.desc(), run_id.desc()).limit(filters.limit)
     return [_record(row) for row in connection.execute(query)]
+
+
+def tenants_of(connection: Connection, run_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int | None]:
+    """``{run_id: tenant_id}`` of the runs that exist among ``run_ids`` (None: a platform run)."""
+    if not run_ids:
+        return {}
+    query = sa.select(task_runs.c.run_id, task_runs.c.tenant_id).where(task_runs.c.run_id.in_(list(run_ids)))
+    return {row.run_id: row.tenant_id for row in connection.execute(query)}
 
 
 def statuses_of(connection: Connection, run_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, str]:

@@ -22,22 +22,30 @@ Addresses are classified with :mod:`ipaddress`, and the IPv4 address embedded in
 IPv4-mapped (``::ffff:a.b.c.d``), 6to4 (``2002::/16``), Teredo (``2001::/32``) or NAT64
 (``64:ff9b::/96``) IPv6 address is checked as well: each of those reaches an IPv4 host.
 
-``webhook_allowed_hosts`` (a setting) lets listed hosts through for tests and internal
-receivers: an entry is a host name, matched exactly (case-insensitive) against the URL's
-host, or an IP address or network (``10.1.2.0/24``), matched against resolved addresses.
-The connection is still made to the address that was resolved and checked.
+3. A public address is reached only on the ports ``webhook_public_ports`` lists (default
+   80, 443, 8080, 8443): a tenant's URL cannot aim a delivery at whatever else a public
+   host serves.
+
+``webhook_allowed_hosts`` (a setting) lets listed destinations through for tests and
+internal receivers (:mod:`sqla_outbox.destinations` has the grammar): an entry names a
+host name, matched exactly (case-insensitive) against the URL's host, or an IP address or
+network, matched against resolved addresses; always with the port or port range it
+admits, and optionally the tenants it admits. The connection is still made to the
+address that was resolved and checked, and :attr:`Destination.allowed_by` says which
+entry let it through (the delivery then keeps no excerpt of the answer).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import socket
 from collections.abc import Callable, Iterable
 
 import httpx
 
-from sqla_outbox import errors
+from sqla_outbox import destinations, errors
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -61,8 +69,8 @@ class Destination:
         host: The URL's host, IDNA-encoded (ASCII), lowercase.
         port: The port connected to.
         address: The resolved and checked address the connection uses.
-        allowed_by: The ``webhook_allowed_hosts`` entry that let a non-public address
-            through, else None.
+        allowed_by: The ``webhook_allowed_hosts`` entry that let the destination through
+            (as written), else None (a public address on a public port).
     """
 
     url: str
@@ -161,24 +169,40 @@ resolver: Resolver = system_resolver
 or DNS; production code leaves it alone."""
 
 
+DEFAULT_PUBLIC_PORTS = ("80", "443", "8080", "8443")
+"""``webhook_public_ports``'s default: the ports web servers and webhook receivers use."""
+
+
 def resolve_destination(
-    url: str, *, allowed_hosts: Iterable[str] = (), resolve: Resolver | None = None
+    url: str,
+    *,
+    allowed_hosts: Iterable[str] = (),
+    public_ports: Iterable[str] = DEFAULT_PUBLIC_PORTS,
+    tenant_id: int | None = None,
+    resolve: Resolver | None = None,
 ) -> Destination:
     """Resolve and check where a delivery to ``url`` may connect.
 
     Args:
         url: The endpoint URL.
-        allowed_hosts: ``webhook_allowed_hosts`` entries (see the module docstring).
+        allowed_hosts: ``webhook_allowed_hosts`` entries (host or network, ports, tenants:
+            :mod:`sqla_outbox.destinations`).
+        public_ports: ``webhook_public_ports``: the ports allowed on public addresses.
+        tenant_id: The delivery's tenant (an entry scoped to tenants admits only theirs).
         resolve: Name resolution; default :data:`resolver` (the system's).
 
     Returns:
-        The :class:`Destination`: the first resolved address that is public or allowed.
+        The :class:`Destination`: the first resolved address an allow-list entry admits
+        on this port for this tenant, or that is public with the port among
+        ``public_ports``.
 
     Raises:
         WebhookRefused: ``destination-refused``: not an ``http``/``https`` URL, no host,
-            or every resolved address is non-public and not allowed (the message names
-            the address and its class).
+            or no resolved address may be used (the message names each address with its
+            class, or the port that is not allowed).
         WebhookFailed: ``dns``: the name does not resolve (may be temporary).
+        ValueError: An ``allowed_hosts`` or ``public_ports`` entry does not parse (the
+            settings check them first).
     """
     try:
         parsed = httpx.URL(url)
@@ -192,7 +216,8 @@ def resolve_destination(
     if not host:
         raise errors.WebhookRefused("destination-refused", "the URL has no host")
     port = port or (443 if scheme == "https" else 80)
-    names, networks = _allow_list(allowed_hosts)
+    entries = _allow_list(tuple(allowed_hosts))
+    ports = _port_set(tuple(public_ports))
     try:
         literal: IPAddress | None = ipaddress.ip_address(host)
     except ValueError:
@@ -210,36 +235,31 @@ def resolve_destination(
             address = ipaddress.ip_address(text.split("%", 1)[0])
         except ValueError:
             continue
-        reason = refusal_reason(address)
-        allowed_by = None
-        if reason is not None:
-            if host in names:
-                allowed_by = host
-            else:
-                allowed_by = next(
-                    (str(n) for n in networks if address.version == n.version and address in n), None
-                )
-        if reason is None or allowed_by is not None:
+        allowed_by = next(
+            (e.text for e in entries if e.admits(host=host, address=address, port=port, tenant_id=tenant_id)),
+            None,
+        )
+        if allowed_by is not None:
             return Destination(url, scheme, host, port, address, allowed_by)
-        refusals.append(f"{address} ({reason})")
+        reason = refusal_reason(address)
+        if reason is None and any(port in allowed for allowed in ports):
+            return Destination(url, scheme, host, port, address)
+        refusals.append(f"{address} ({reason or f'public, but port {port} is not in webhook_public_ports'})")
     if not refusals:
         raise errors.WebhookFailed("dns", f"{host} resolved to no usable address")
     where = "is" if literal is not None else "resolves to"
     raise errors.WebhookRefused(
         "destination-refused",
-        f"{host} {where} {', '.join(refusals)}: not a public address "
-        "(list the host in webhook_allowed_hosts to allow an internal receiver)",
+        f"{host} {where} {', '.join(refusals)}: not a destination deliveries may reach "
+        f"(an internal receiver needs a webhook_allowed_hosts entry naming its host and port {port})",
     )
 
 
-def _allow_list(
-    entries: Iterable[str],
-) -> tuple[set[str], list[ipaddress.IPv4Network | ipaddress.IPv6Network]]:
-    names: set[str] = set()
-    networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
-    for entry in entries:
-        try:
-            networks.append(ipaddress.ip_network(entry.strip(), strict=False))
-        except ValueError:
-            names.add(entry.strip().lower())
-    return names, networks
+@functools.lru_cache(maxsize=32)
+def _allow_list(entries: tuple[str, ...]) -> tuple[destinations.AllowEntry, ...]:
+    return tuple(destinations.parse_allow_entry(entry) for entry in entries)
+
+
+@functools.lru_cache(maxsize=32)
+def _port_set(entries: tuple[str, ...]) -> tuple[destinations.Ports, ...]:
+    return tuple(destinations.parse_ports(entry) for entry in entries)

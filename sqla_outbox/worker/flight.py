@@ -29,7 +29,7 @@ class InFlight:
         visibility_ends_by: ``time.monotonic()`` after which SQS refuses to keep the
             message hidden: 12 hours after its *first* receive (SQS
             ``ApproximateFirstReceiveTimestamp``; this receive when SQS did not say).
-        run_id / task_name: Set once the envelope was decoded.
+        run_id / task_name / tenant_id: Set once the envelope was decoded.
         attempt / leased: The attempt number and whether this delivery holds the run's lease.
         ctx: The handler's context while it runs (its ``cancel_event`` stops it).
         task: The asyncio task handling this message.
@@ -54,6 +54,7 @@ class InFlight:
     visibility_ends_by: float = dataclasses.field(default_factory=lambda: time.monotonic() + 43_200)
     run_id: uuid.UUID | None = None
     task_name: str | None = None
+    tenant_id: int | None = None
     attempt: int = 0
     ctx: TaskContext | None = None
     task: asyncio.Task[None] | None = None

@@ -1,4 +1,4 @@
-"""The admission gate: per-task rate limits, concurrency slots and circuit breakers.
+"""The admission gate: per-task rate limits, concurrency slots, circuit breakers, tenant shares.
 
 Before a worker takes a run's lease, a task that declared flow control
 (:mod:`sqla_outbox.worker.limits`) asks the gate. One atomic Lua script on Valkey
@@ -39,6 +39,13 @@ sharing a Valkey do not meet):
 
 The clock is Valkey's (``TIME`` inside the scripts), so worker clocks never disagree.
 
+**Tenant shares** (webhook deliveries, ``webhooks.deliver``): one tenant's runs of such a
+task may hold at most ``webhook_tenant_slot_share`` of this worker's slots at once
+(``worker_concurrency`` x share, at least one), so a tenant whose receivers answer slowly
+cannot hold the slots other tenants' runs need. This is a property of one worker's slots,
+so it is counted in the process, not in Valkey; a run over it is refused with reason
+``tenant-share`` and deferred like a run refused by a full concurrency cap.
+
 **Valkey down** (a call fails or takes longer than ``limits_valkey_timeout_ms``): every
 limit is enforced *per worker process* from local state, with the same rules, until
 Valkey answers again (tried every ``limits_valkey_retry_seconds``); logged once as
@@ -54,13 +61,14 @@ import collections
 import dataclasses
 import json
 import logging
+import math
 import random
 import threading
 import time
 import uuid
 from typing import Any
 
-from sqla_outbox import metrics
+from sqla_outbox import metrics, webhooks
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.lifecycle import retry
 from sqla_outbox.logging import log_extra
@@ -79,6 +87,12 @@ REASONS = {
     "probing": "breaker-probing",
 }
 """Gate refusal code → the deferral reason recorded in the trail and metrics."""
+
+TENANT_SHARE = "tenant-share"
+"""Deferral reason of a run refused because its tenant holds its share of the slots."""
+
+TENANT_SHARE_TASKS = frozenset({webhooks.WEBHOOK_TASK})
+"""Tasks whose runs count against their tenant's share of a worker's slots."""
 
 OUTCOMES = ("success", "failure", "neutral", "refund")
 """How an admitted run ended, for :meth:`Gate.release`: ``success`` and ``failure`` count
@@ -267,6 +281,7 @@ class Admission:
         renewed_at: ``time.monotonic()`` of the admission or last renewal.
         epoch: The breaker's period it was admitted in (its outcome counts only while
             that period lasts). probe: Admitted as a half-open probe.
+        share: The tenant share it counts against (``<task>:<tenant>``), or None.
     """
 
     member: str
@@ -277,6 +292,7 @@ class Admission:
     renewed_at: float = dataclasses.field(default_factory=time.monotonic)
     epoch: int = 0
     probe: bool = False
+    share: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +345,25 @@ class _LocalState:
         self.slots: dict[str, set[str]] = collections.defaultdict(set)
         self.breakers: dict[str, dict[str, Any]] = {}
         self.probes: dict[str, set[str]] = collections.defaultdict(set)
+        self.shares: dict[str, set[str]] = collections.defaultdict(set)
+
+    def take_share(self, key: str, cap: int, member: str) -> bool:
+        """Count ``member`` against the tenant share ``key`` unless ``cap`` are counted."""
+        with self.lock:
+            if len(self.shares[key]) >= cap:
+                return False
+            self.shares[key].add(member)
+            return True
+
+    def drop_share(self, key: str | None, member: str) -> None:
+        if key is None:
+            return
+        with self.lock:
+            held = self.shares.get(key)
+            if held is not None:
+                held.discard(member)
+                if not held:
+                    del self.shares[key]
 
     def _record(self, key: str) -> dict[str, Any]:
         return self.breakers.setdefault(key, {"state": "closed", "failures": 0, "successes": 0, "epoch": 0})
@@ -468,16 +503,40 @@ class Gate:
             return None
         return self.breakers.get(limits.breaker.key, limits.breaker)
 
+    @property
+    def tenant_slots(self) -> int:
+        """Slots one tenant's runs of a :data:`TENANT_SHARE_TASKS` task may hold at once:
+        ``worker_concurrency`` x ``webhook_tenant_slot_share``, rounded down, at least 1."""
+        share = self.settings.webhook_tenant_slot_share
+        return max(1, math.floor(self.settings.worker_concurrency * share + 1e-9))
+
+    def counts_shares(self, task: str) -> bool:
+        """Whether runs of ``task`` count against their tenant's share of the slots."""
+        return task in TENANT_SHARE_TASKS and self.tenant_slots < self.settings.worker_concurrency
+
     # --- admission ------------------------------------------------------------------------
-    def admit(self, task: str, limits: TaskLimits, run_id: uuid.UUID) -> Verdict:
-        """Ask to run one run of ``task`` now (see the module docstring for the rules).
+    def admit(
+        self, task: str, limits: TaskLimits, run_id: uuid.UUID, tenant_id: int | None = None
+    ) -> Verdict:
+        """Ask to run one run of ``task`` (of ``tenant_id``) now (see the module docstring).
 
         Returns:
             A :class:`Verdict`; never raises for Valkey trouble (per-process limits then).
+            ``tenant-share`` (no wait known: the caller backs off) when the tenant holds
+            its share of this worker's slots.
         """
         with self._lock:
             self._counter += 1
             member = f"{self.worker_id}:{run_id}:{self._counter}"
+        share = f"{task}:{tenant_id}" if tenant_id is not None and self.counts_shares(task) else None
+        if share is not None and not self.local.take_share(share, self.tenant_slots, member):
+            metrics.GATE_REFUSALS.labels(task, TENANT_SHARE).inc()
+            return Verdict(reason=TENANT_SHARE)
+        if not limits.any:  # only the share
+            admission = Admission(member, task, limits, False, [], share=share)
+            with self._lock:
+                self.held[member] = admission
+            return Verdict(admission=admission)
         breaker = self.breaker_for(limits)
         keys = self._keys(task, breaker)
         reply: tuple[Any, ...] | None = None
@@ -509,6 +568,7 @@ class Gate:
         if breaker is not None:
             self._observe(breaker.key, state, transition, shared=shared)
         if code != "ok":
+            self.local.drop_share(share, member)
             metrics.GATE_REFUSALS.labels(task, REASONS[code]).inc()
             known = code in ("rate", "open")
             return Verdict(reason=REASONS[code], wait_seconds=max(0.0, wait) if known else None)
@@ -518,7 +578,7 @@ class Gate:
         probe = breaker is not None and state == "half_open"
         if probe:
             holds.append(keys["probes"])
-        admission = Admission(member, task, limits, shared, holds, epoch=epoch, probe=probe)
+        admission = Admission(member, task, limits, shared, holds, epoch=epoch, probe=probe, share=share)
         with self._lock:
             self.held[member] = admission
         metrics.SLOTS_HELD.labels(task).inc()
@@ -537,6 +597,9 @@ class Gate:
         with self._lock:
             if self.held.pop(admission.member, None) is None:
                 return Released()
+        self.local.drop_share(admission.share, admission.member)
+        if not admission.limits.any:
+            return Released()
         metrics.SLOTS_HELD.labels(admission.task).dec()
         breaker = self.breaker_for(admission.limits)
         keys = self._keys(admission.task, breaker)

@@ -16,7 +16,9 @@
    admission gate (:mod:`sqla_outbox.worker.gate`) decides first; a refused run is
    deferred through the outbox the same way (ADR 0014), and an admitted one gives its
    admission back when handling ends, with the outcome its breaker counts (a transient
-   failure: before its verdict is applied, see 7).
+   failure: before its verdict is applied, see 7). A webhook delivery also counts against
+   its tenant's share of this worker's slots (``webhook_tenant_slot_share``); over it, it
+   is deferred the same way (``tenant-share``).
 4. **Take the run's lease** (:func:`sqla_outbox.lifecycle.attempts.take_lease`, in one transaction
    with the other messages of the same receive: :mod:`sqla_outbox.worker.leases`). No such run
    (foreign or forged message) or a run of another task/tenant/queue → DLQ, never
@@ -148,7 +150,7 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
             detail=f"the envelope names queue {env.queue!r} but the message arrived on {flight.queue!r}",
         )
         return
-    flight.run_id, flight.task_name = env.run_id, env.task
+    flight.run_id, flight.task_name, flight.tenant_id = env.run_id, env.task, env.tenant_id
     if runtime.pauses.stale:
         await runtime.io(runtime.in_transaction, runtime.pauses.refresh)
     paused = runtime.pauses.pauses.blocking(env.task, env.tenant_id, env.queue)
@@ -172,8 +174,8 @@ async def handle_message(runtime: Runtime, flight: InFlight) -> None:
         if deferred.claim is not None:
             await _settle_unclaimed(runtime, flight, deferred.claim, env)
         return
-    if definition.limits.any:
-        verdict = await runtime.io(runtime.gate.admit, env.task, definition.limits, env.run_id)
+    if definition.limits.any or runtime.gate.counts_shares(env.task):
+        verdict = await runtime.io(runtime.gate.admit, env.task, definition.limits, env.run_id, env.tenant_id)
         if verdict.admission is None:
             await _throttled(runtime, flight, env, verdict)
             return
@@ -567,7 +569,7 @@ async def _send_to_dlq(
         flight.queue,
         flight.receipt_handle,
         flight.body,
-        flight.attributes,
+        _run_attributes(flight),
         context,
     )
     metrics.DLQ_SENDS.labels(flight.queue, reason).inc()
@@ -584,6 +586,16 @@ async def _send_to_dlq(
                 dlq=dlq.rsplit("/", 1)[-1],
             ),
         )
+
+
+def _run_attributes(flight: InFlight) -> dict[str, Any]:
+    """The DLQ message's ``run_id``/``task``/``tenant_id`` attributes for a run's own message:
+    the decoded envelope's (which matched the run), not the received attributes, which
+    whoever sent the message wrote; the relay's ``signature`` is kept with the body."""
+    if flight.run_id is None or flight.task_name is None:
+        return flight.attributes
+    kept = {k: v for k, v in flight.attributes.items() if k == envelope.SIGNATURE_ATTRIBUTE}
+    return {**kept, **envelope.message_attributes(flight.run_id, flight.task_name, flight.tenant_id)}
 
 
 async def _dead_letter_foreign(runtime: Runtime, flight: InFlight, *, reason: str, detail: str) -> None:

@@ -25,7 +25,7 @@ PERIOD_SECONDS = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 6
 """Units a ``rate_limit`` string may use (``"100/m"``, ``"5/s"``, ``"1000/h"``, ``"10/30s"``)."""
 
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d*)\s*([a-z]+)\s*$")
-_BREAKER_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+_BREAKER_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 MAX_PERIOD_SECONDS = 86_400
 MAX_CONCURRENCY = 10_000
 MAX_OUTAGE_SECONDS = 604_800
@@ -111,7 +111,8 @@ class Breaker:
 
     def check(self, task: str) -> Breaker:
         """Raises ConfigurationError (naming ``task``) for a bad key or setting."""
-        if not isinstance(self.key, str) or not _BREAKER_KEY.match(self.key):
+        # fullmatch: ``$`` would also match before a trailing newline ("payments-api\n")
+        if not isinstance(self.key, str) or not _BREAKER_KEY.fullmatch(self.key):
             raise errors.ConfigurationError(
                 f"task {task!r}: breaker key {self.key!r} must match [A-Za-z0-9_.:-]{{1,100}}",
                 option="@task(breaker)",

@@ -7,25 +7,31 @@ Each attempt:
    or one no longer subscribed to the event gets nothing: the run succeeds with
    ``skipped`` in the trail (an edited endpoint is delivered with its current settings).
 2. **Checks the destination** (:mod:`sqla_outbox.worker.destination_guard`): the host is
-   resolved once and the connection goes to that checked address. A refused destination
-   fails permanently at this first attempt (:class:`~sqla_outbox.errors.WebhookRefused`,
-   reason in the trail and the DLQ context).
+   resolved once and the connection goes to that checked address, on a port
+   ``webhook_public_ports`` lists or that an allow-list entry names for this tenant. A
+   refused destination fails permanently at this first attempt
+   (:class:`~sqla_outbox.errors.WebhookRefused`, reason in the trail and the DLQ context).
 3. **Signs** the body with the Standard Webhooks scheme (the ``standardwebhooks``
    package): ``webhook-id`` is the run id (the same on every attempt of this delivery),
    ``webhook-timestamp`` this attempt's time, ``webhook-signature`` one ``v1,`` signature
    per active secret (the newest, plus rotated-out ones in their grace period);
    ``webhook-attempt`` is the attempt number.
-4. **Sends** with httpx (no redirects followed, no proxies from the environment, one
-   fresh connection per attempt) and **classifies** the answer: 2xx succeeded; 3xx and
+4. **Sends** with httpcore under one total deadline, ``webhook_timeout_seconds`` from the
+   destination check on (:mod:`sqla_outbox.worker.deadline_http`: connect, TLS, send and
+   read together; no redirects followed, no proxies from the environment, the
+   ``webhook_proxy_url`` proxy when set, one fresh connection per attempt) and
+   **classifies** the answer: 2xx succeeded; 3xx and
    4xx other than 429 → permanent (``redirect`` / ``client-error``); 429, 5xx, timeouts
    and connection errors → transient (:class:`~sqla_outbox.errors.WebhookFailed`), with
    a ``Retry-After`` that lengthens the next attempt's delay beyond the task's backoff
    (never shortens it), capped below SQS's 12-hour visibility limit.
 
 Whatever the outcome, ``ctx.trail_detail["webhook"]`` records the endpoint, the origin
-and address connected to (never the URL's path or query, which may hold a token), and a
-bounded excerpt of the response: status, latency, content type and the first
-:data:`EXCERPT_BYTES` bytes of the body.
+and address connected to (never the URL's path or query, which may hold a token), and
+the response's status and latency. Its content type and first :data:`EXCERPT_BYTES`
+bytes are kept only for a destination reached as a public address
+(``webhook_response_excerpt``, :func:`keeps_excerpt`): by default, the answer of an
+internal service let through by ``webhook_allowed_hosts`` never reaches the tenant's trail.
 
 The body is ``{"type": <event>, "timestamp": <published at>, "data": <payload>}``
 (Standard Webhooks, "Payload structure"), compact JSON, ASCII only.
@@ -43,6 +49,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import httpcore
 import httpx
 import standardwebhooks
 from sqlalchemy import BigInteger, bindparam, text
@@ -50,6 +57,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from sqla_outbox import errors, webhooks
 from sqla_outbox.config import OutboxSettings
+from sqla_outbox.worker import deadline_http
 from sqla_outbox.worker.context import TaskContext
 from sqla_outbox.worker.destination_guard import Destination, resolve_destination
 
@@ -124,21 +132,43 @@ def deliver(payload: Any, ctx: TaskContext) -> None:
         ctx.logger.info("webhook delivery skipped: %s", skipped)
         return
     assert endpoint is not None
+    timeout = settings.webhook_timeout_seconds
+    remaining = ctx.remaining_seconds()
+    if remaining is not None:
+        timeout = max(min(timeout, remaining - 1.0), 0.5)
+    deadline = time.monotonic() + timeout  # name resolution counts too
     try:
-        destination = resolve_destination(endpoint["url"], allowed_hosts=settings.webhook_allowed_hosts)
+        destination = resolve_destination(
+            endpoint["url"],
+            allowed_hosts=settings.webhook_allowed_hosts,
+            public_ports=settings.webhook_public_ports,
+            tenant_id=ctx.tenant_id,
+        )
     except errors.WebhookRefused as refused:
         record["refused"] = str(refused)
         raise
     record["destination"] = destination.origin
     record["address"] = str(destination.address)
+    if destination.allowed_by is not None:
+        record["allowed_by"] = destination.allowed_by
     body = delivery.body()
     headers = _signed_headers(ctx, body, webhooks.active_secrets(endpoint["secrets"], endpoint["now"]))
-    remaining = ctx.remaining_seconds()
-    timeout = settings.webhook_timeout_seconds
-    if remaining is not None:
-        timeout = max(min(timeout, remaining - 1.0), 0.5)
-    status, retry_after = _send(destination, body, headers, timeout, record)
+    keep = keeps_excerpt(destination, settings.webhook_response_excerpt)
+    status, retry_after = _send(
+        destination, body, headers, deadline, record, keep_excerpt=keep, proxy_url=settings.webhook_proxy_url
+    )
     _classify(status, retry_after, record)
+
+
+def keeps_excerpt(destination: Destination, policy: str) -> bool:
+    """Whether the trail keeps the answer's content type and first bytes.
+
+    Args:
+        destination: Where the attempt connected.
+        policy: ``webhook_response_excerpt``: ``public`` (only for a destination no
+            allow-list entry let through), ``never`` or ``always``.
+    """
+    return policy == "always" or (policy == "public" and destination.allowed_by is None)
 
 
 def _engine(ctx: TaskContext) -> Engine:
@@ -201,59 +231,70 @@ def _ssl_context() -> ssl.SSLContext:
 
 
 def _send(
-    destination: Destination, body: bytes, headers: dict[str, str], timeout: float, record: dict[str, Any]
+    destination: Destination,
+    body: bytes,
+    headers: dict[str, str],
+    deadline: float,
+    record: dict[str, Any],
+    *,
+    keep_excerpt: bool,
+    proxy_url: str | None,
 ) -> tuple[int, float | None]:
-    """POST to the pinned address; return (status, Retry-After seconds or None).
+    """POST to the pinned address by ``deadline`` (``time.monotonic()``); return (status,
+    Retry-After seconds or None).
+
+    Args:
+        keep_excerpt: Record the answer's content type and first bytes (else status and
+            latency only).
+        proxy_url: ``webhook_proxy_url``, or None to connect directly.
 
     Raises:
-        WebhookFailed: ``timeout`` or ``connection`` (nothing usable came back).
+        WebhookFailed: ``timeout`` (the deadline passed before the status came) or
+            ``connection`` (nothing usable came back).
     """
     request_headers = {**headers, "host": destination.host_header}
-    extensions = {"sni_hostname": destination.host} if destination.scheme == "https" else {}
     started = time.monotonic()
-    client = httpx.Client(
-        timeout=httpx.Timeout(timeout),
-        follow_redirects=False,
-        trust_env=False,  # no proxy from the environment: the connection goes to the checked address
-        verify=_ssl_context() if destination.scheme == "https" else True,
-        transport=httpx.HTTPTransport(retries=0),
-    )
     try:
-        with client.stream(
-            "POST", destination.pinned_url, content=body, headers=request_headers, extensions=extensions
-        ) as response:
-            excerpt = _read_excerpt(response, deadline=started + timeout)
-            record["response"] = {
-                "status": response.status_code,
-                "latency_ms": round((time.monotonic() - started) * 1000, 1),
-                "content_type": _clean(response.headers.get("content-type", ""))[:100],
-                "body": _clean(excerpt[:EXCERPT_BYTES].decode("utf-8", errors="replace")),
-                "body_truncated": len(excerpt) > EXCERPT_BYTES,
-            }
-            return response.status_code, _retry_after(response.headers.get("retry-after"))
-    except httpx.TimeoutException as exc:
+        answer = deadline_http.exchange(
+            "POST",
+            destination.pinned_url,
+            headers=request_headers,
+            body=body,
+            deadline=deadline,
+            max_bytes=EXCERPT_BYTES,
+            ssl_context=_ssl_context() if destination.scheme == "https" else None,
+            sni_hostname=destination.host if destination.scheme == "https" else None,
+            proxy_url=proxy_url,
+        )
+    except httpcore.TimeoutException as exc:
         record["error"] = {"kind": "timeout", "after_ms": round((time.monotonic() - started) * 1000, 1)}
         raise errors.WebhookFailed(
-            "timeout", f"{destination.origin} did not answer within {timeout:g} s ({type(exc).__name__})"
+            "timeout",
+            f"{destination.origin} did not answer within the attempt's deadline ({type(exc).__name__})",
         ) from None
-    except httpx.TransportError as exc:
+    except _UNUSABLE as exc:
         record["error"] = {"kind": "connection", "type": type(exc).__name__}
         raise errors.WebhookFailed(
             "connection", f"{destination.origin} ({destination.address}): {type(exc).__name__}: {exc}"[:500]
         ) from None
-    finally:
-        client.close()
+    response: dict[str, Any] = {
+        "status": answer.status,
+        "latency_ms": round((time.monotonic() - started) * 1000, 1),
+    }
+    if keep_excerpt:
+        response.update(
+            content_type=_clean(answer.headers.get("content-type", ""))[:100],
+            body=_clean(answer.body.decode("utf-8", errors="replace")),
+            body_truncated=answer.truncated,
+        )
+    else:
+        response["excerpt"] = "not kept: allow-listed destination" if destination.allowed_by else "not kept"
+    record["response"] = response
+    return answer.status, _retry_after(answer.headers.get("retry-after"))
 
 
-def _read_excerpt(response: httpx.Response, *, deadline: float) -> bytes:
-    """The first bytes of the body (one more than kept, to tell truncation); stops at the
-    deadline. The rest is never read: the connection is closed with the client."""
-    excerpt = b""
-    for chunk in response.iter_raw():
-        excerpt += chunk
-        if len(excerpt) > EXCERPT_BYTES or time.monotonic() > deadline:
-            break
-    return excerpt[: EXCERPT_BYTES + 1]
+_UNUSABLE = (httpcore.NetworkError, httpcore.ProtocolError, httpcore.ProxyError, httpcore.UnsupportedProtocol)
+"""httpcore's errors for "nothing usable came back": refused, reset, TLS, not HTTP, proxy."""
 
 
 def _clean(value: str) -> str:

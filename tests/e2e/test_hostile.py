@@ -281,8 +281,11 @@ def test_dlq_requeue_without_signing_never_runs_a_forged_payload(
         _forge(sqs, queues["critical-dlq"], genuine, reason="permanent-error")  # a made-up verdict
 
         report = cli_json(env, "dlq", "requeue", "--task", "charge_card")
-        assert sorted(item["reason"] for item in report["items"]) == ["no-reason", "unverifiable-body"]
+        assert sorted(item["reason"] for item in report["items"]) == ["no-reason", "unverified"]
         assert report["requeued"] == 0 and status_of(engine, charge.run_id) == "failed"
+        asked = cli_json(env, "dlq", "requeue", "--task", "charge_card", "--include-unverified")
+        assert sorted(item["reason"] for item in asked["items"]) == ["no-reason", "unverifiable-body"]
+        assert asked["requeued"] == 0 and status_of(engine, charge.run_id) == "failed"
 
         # trusting the bodies on request says what it trusts (dry run: nothing changes)
         shown = cli(env, "dlq", "requeue", "--task", "charge_card", "--trust-dlq-body", "--dry-run")
@@ -453,3 +456,45 @@ def test_dlq_list_shows_attacker_attributes_escaped(
     text = "".join(shown.stdout.split())
     assert "\\x9d0;pwned\\x9c\\x9b2Jaudit" in text
     assert "permanent\\u202eerror" in text and "Value\\x85Error\\u200b" in text
+
+
+def test_the_dlq_copy_of_a_run_carries_the_runs_own_attributes_not_the_received_ones(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    sqs: Any,
+    queues: dict[str, str],
+) -> None:
+    """A copy of a run's message (its exact envelope) relabelled ``task=audit``,
+    ``tenant_id=9`` runs as what it is; when the run fails for good, its DLQ message names
+    the run's task and tenant, not the labels it came with (they steered requeues before)."""
+    from sqla_outbox.relay import Relay
+
+    with app() as session, session.begin():
+        charge = Dispatch("charge_card", {"mode": "keyerror", "amount": 10}, tenant_id=3)
+        session.add(charge)
+    relay = Relay(settings.replace(sqs_endpoint_url=sqs_endpoint), engine=engine)
+    try:
+        relay.run_once()
+    finally:
+        relay.sender.close()
+    [genuine] = receive_all(sqs, queues["critical"], expect=1, timeout=10)
+    sqs.delete_message(QueueUrl=queues["critical"], ReceiptHandle=genuine["ReceiptHandle"])
+    sqs.send_message(
+        QueueUrl=queues["critical"],
+        MessageBody=genuine["Body"],
+        MessageAttributes=envelope.message_attributes(charge.run_id, "audit", 9),
+    )
+    worker = start_worker(settings, sqs_endpoint)
+    try:
+        wait_for(lambda: run_row(engine, charge.run_id).dead_lettered_at is not None, timeout=30)
+    finally:
+        worker.kill()
+    [message] = receive_all(sqs, queues["critical-dlq"], expect=1, timeout=10)
+    attributes = {k: v["StringValue"] for k, v in message["MessageAttributes"].items()}
+    assert (attributes["run_id"], attributes["task"], attributes["tenant_id"]) == (
+        str(charge.run_id),
+        "charge_card",
+        "3",
+    )

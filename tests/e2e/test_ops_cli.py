@@ -67,6 +67,10 @@ LETTER_KEYS = {
     "age_seconds",
     "run_status",
     "origin",
+    "resolved",
+    "claims",
+    "run_queue",
+    "run_failed_age_seconds",
 }
 
 
@@ -680,6 +684,6 @@ def test_brackets_in_user_and_database_text_are_printed_verbatim(
     assert letters.returncode == 0, letters.stderr
     assert "[asyncio]Declined[/7]" in letters.stdout
 
-    requeue = cli(env, "dlq", "requeue", "--all", "--dry-run")
+    requeue = cli(env, "dlq", "requeue", "--all", "--dry-run", "--include-unverified")
     assert requeue.returncode == 0, requeue.stderr
     assert "not-failed" in requeue.stdout and "MarkupError" not in requeue.stderr

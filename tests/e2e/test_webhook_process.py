@@ -12,7 +12,7 @@ import sqlalchemy as sa
 import standardwebhooks
 from sqlalchemy.orm import Session, sessionmaker
 
-from sqla_outbox import Publish, webhooks
+from sqla_outbox import Dispatch, Publish, webhooks
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from tests import support
@@ -58,8 +58,9 @@ def test_a_published_event_is_delivered_signed_retried_and_refused_by_real_proce
             settings,
             sqs_endpoint,
             imports="tests.e2e.webhook_tasks",
-            SQLA_OUTBOX_WEBHOOK_ALLOWED_HOSTS="127.0.0.1",
+            SQLA_OUTBOX_WEBHOOK_ALLOWED_HOSTS=f"127.0.0.1:{receiver.port}",
             SQLA_OUTBOX_WEBHOOK_TIMEOUT_SECONDS="5",
+            SQLA_OUTBOX_WEBHOOK_RESPONSE_EXCERPT="always",  # the test's own receiver
         ),
     ]
     try:
@@ -116,3 +117,69 @@ def test_a_published_event_is_delivered_signed_retried_and_refused_by_real_proce
     assert json.loads(body["payload"])["endpoint_id"] == refused_id
     assert "127.0.0.2" not in message["Body"] and "whsec_" not in message["Body"]
     assert len(receiver.requests) == 2
+
+
+def _threads(pid: int) -> int:
+    """Threads of a process now (Linux ``/proc/<pid>/status``)."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+
+
+def test_a_tenants_slow_receivers_hold_neither_another_tenants_runs_nor_threads(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    queues: dict[str, str],
+    receiver: Receiver,
+) -> None:
+    """Tenant 1's four receivers trickle one byte every 0.5 s forever. With 4 slots and the
+    default share (half), its deliveries hold 2 slots at most, so tenant 2's run is done
+    while tenant 1's first attempts still trickle; each attempt ends at the 4 s deadline
+    and its thread is reused, so rounds of retries do not add threads."""
+    receiver.script(*[Reply(200, trickle_seconds=0.5) for _ in range(200)])
+    with app() as session, session.begin():
+        for n in range(4):
+            session.add(
+                webhooks.new_endpoint(tenant_id=1, url=receiver.url(f"/slow/{n}"), events=["invoice.sent"])
+            )
+    processes = [
+        start_relay(settings, sqs_endpoint),
+        start_worker(
+            settings,
+            sqs_endpoint,
+            imports="tests.e2e.webhook_tasks",
+            SQLA_OUTBOX_WORKER_CONCURRENCY="4",
+            SQLA_OUTBOX_WEBHOOK_ALLOWED_HOSTS=f"127.0.0.1:{receiver.port}",
+            SQLA_OUTBOX_WEBHOOK_TIMEOUT_SECONDS="4",
+        ),
+    ]
+    worker = processes[1]
+    try:
+        worker.wait_for_action("worker.started")
+        with app() as session, session.begin():
+            event = Publish("invoice.sent", {"invoice": 1}, tenant_id=1)
+            session.add(event)
+            session.flush()
+            slow = list(event.webhook_deliveries.values())
+        receiver.wait_for(2, timeout=30)  # two deliveries hold their slots, trickling
+        with app() as session, session.begin():
+            other = Dispatch("send_welcome", {"mode": "ok"}, tenant_id=2)
+            session.add(other)
+        wait_for(lambda: run_row(engine, other.run_id).status == "succeeded", timeout=30)
+        # done while no attempt of tenant 1 has reached its deadline yet
+        assert receiver.abandoned == 0
+        assert len(receiver.requests) <= 2
+        deferred = [t.detail.get("throttled") for r in slow for t in trail(engine, r)]
+        assert "tenant-share" in deferred
+        # attempts end at the deadline: transient timeouts, retried
+        wait_for(lambda: receiver.abandoned >= 2, timeout=30)
+        settled = _threads(worker.process.pid)
+        wait_for(lambda: receiver.abandoned >= 6, timeout=60)  # two more rounds of attempts
+        assert _threads(worker.process.pid) <= settled + 2
+        steps = [t for r in slow for t in trail(engine, r) if t.status == "retrying" and t.error_type]
+        assert steps and all(t.error_message.startswith("timeout: ") for t in steps)
+    finally:
+        for process in processes:
+            process.kill()
+            print(f"--- {process.name} ---\n" + "".join(process.raw[-30:]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime as dt
+import hashlib
 import html
 import json
 import re
@@ -34,6 +35,19 @@ from tests.support import csrf_token, outbox_rows, receive_all, serve_asgi, stat
 
 TOKEN = "t0ken-for-the-dashboard-tests"
 SECRET = "s3cr3t-card-4242"
+ALICE, BOB, VIC = "alice-own-token-0123456789", "bob-own-token-0123456789", "vic-own-token-0123456789"
+
+
+def sha256(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+USERS = (
+    f"alice:operator:sha256={sha256(ALICE)}",
+    f"bob:operator:sha256={sha256(BOB)}",
+    f"vic:viewer:sha256={sha256(VIC)}",
+)
+"""Three operators with their own tokens: alice and bob act, vic only reads."""
 
 
 @pytest.fixture
@@ -97,14 +111,14 @@ def logged_fields(record: Any) -> dict[str, Any]:
     return dict(getattr(record, outbox_logging._EXTRA_KEY, {}) or {})
 
 
-def logged_in(client: httpx.Client, name: str = "alice") -> str:
-    """Sign in through the login page; return the session's CSRF token."""
+def logged_in(client: httpx.Client, token: str = ALICE) -> str:
+    """Sign in through the login page with ``token``; return the session's CSRF token."""
     login = client.get("/login")
     response = client.post(
-        "/login", data={"csrf_token": csrf_token(login.text), "token": TOKEN, "name": name, "next": "/dlq"}
+        "/login", data={"csrf_token": csrf_token(login.text), "token": token, "next": "/dlq"}
     )
     assert response.status_code == 303 and response.headers["location"] == "/dlq"
-    return csrf_token(client.get("/").text)
+    return csrf_token(client.get("/runs").text)
 
 
 # --- pages ---------------------------------------------------------------------------------
@@ -247,7 +261,8 @@ def test_run_page_shows_the_envelope_attempts_and_trail_and_hides_the_payload(
     assert 'id="result-none"' in page and "No result recorded." in page
     assert missing.status_code == 404 and garbage.status_code == 404
 
-    with serve(dashboard_show_payloads=True) as client:
+    with serve(dashboard_show_payloads=True, dashboard_users=USERS) as client:
+        logged_in(client, ALICE)  # an operator: a viewer never sees payloads
         shown = client.get(f"/runs/{run_id}").text
     assert 'id="payload"' in shown and SECRET in shown
 
@@ -392,24 +407,17 @@ def test_the_token_opens_the_login_page_session_and_bearer_requests(serve: Calla
         assert client.get("/", headers={"Authorization": "Bearer wrong-token-wrong-token"}).status_code == 401
 
         login = client.get("/login")
-        wrong = client.post(
-            "/login", data={"csrf_token": csrf_token(login.text), "token": "nope", "name": "x"}
-        )
-        assert wrong.status_code == 401 and "not the dashboard" in wrong.text
-        no_csrf = client.post("/login", data={"token": TOKEN, "name": "x"})
+        wrong = client.post("/login", data={"csrf_token": csrf_token(login.text), "token": "nope"})
+        assert wrong.status_code == 401 and "does not open the dashboard" in wrong.text
+        no_csrf = client.post("/login", data={"token": TOKEN})
         assert no_csrf.status_code == 403
         evil = client.post(
             "/login",
-            data={
-                "csrf_token": csrf_token(login.text),
-                "token": TOKEN,
-                "name": "a<b>",
-                "next": "//evil.example/",
-            },
+            data={"csrf_token": csrf_token(login.text), "token": TOKEN, "next": "//evil.example/"},
         )
         assert evil.status_code == 303 and evil.headers["location"] == "/"
         page = client.get("/").text
-        assert '<span id="operator" data-method="token">a_b_</span>' in page
+        assert 'data-method="token" data-role="operator">token' in page  # the token names itself
         client.post("/logout", data={"csrf_token": csrf_token(page)})
         assert client.get("/").status_code == 303
 
@@ -424,10 +432,10 @@ def test_basic_auth_asks_the_browser_and_names_the_operator(serve: Callable[...,
         assert challenge.headers["www-authenticate"] == 'Basic realm="sqla_outbox dashboard"'
         assert client.get("/", headers=basic("ops", "wrong-password!")).status_code == 401
         page = client.get("/", headers=basic("ops", "correct-horse-battery"))
-    assert page.status_code == 200 and 'data-method="basic">ops<' in page.text
+    assert page.status_code == 200 and 'data-method="basic" data-role="operator">ops' in page.text
     assert page.headers["content-security-policy"].startswith("default-src 'self'")
     assert page.headers["x-frame-options"] == "DENY"
-    cookie = page.headers["set-cookie"]
+    cookie = page.headers["set-cookie"].lower()
     assert "httponly" in cookie and "samesite=strict" in cookie
 
 
@@ -444,8 +452,8 @@ def test_requeue_from_the_dashboard_confirms_then_requeues_and_records_the_opera
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     run_id, other = failed_runs(app, engine, sqs, ops_settings, n=2)
-    with serve(dashboard_token=TOKEN, dashboard_actions=True) as client:
-        csrf = logged_in(client, "alice")
+    with serve(dashboard_users=USERS, dashboard_actions=True) as client:
+        csrf = logged_in(client, ALICE)
         dlq_page = client.get("/dlq").text
         assert dlq_page.count('data-action="dlq-requeue"') == 3  # one per row, and "matching these filters"
 
@@ -481,7 +489,7 @@ def test_requeue_keeps_the_clis_guardrails(
 ) -> None:
     [failed] = failed_runs(app, engine, sqs, ops_settings)
     queued = dispatch(app, "send_welcome", {})
-    with serve(dashboard_token=TOKEN, dashboard_actions=True) as client:
+    with serve(dashboard_users=USERS, dashboard_actions=True) as client:
         csrf = logged_in(client)
         nothing = client.post("/actions/dlq-requeue/preview", data={"csrf_token": csrf})
         bad = client.post("/actions/dlq-requeue/preview", data={"csrf_token": csrf, "queue": "urgent"})
@@ -517,9 +525,7 @@ def test_actions_are_refused_without_the_token_the_csrf_token_or_when_disabled(
         )
         assert wrong_token.status_code == 401
         login = client.get("/login")
-        signed_in = client.post(
-            "/login", data={"csrf_token": csrf_token(login.text), "token": TOKEN, "name": "op"}
-        )
+        signed_in = client.post("/login", data={"csrf_token": csrf_token(login.text), "token": TOKEN})
         assert signed_in.status_code == 303
         assert client.post("/actions/dlq-requeue", data=form).status_code == 403  # session, no CSRF
         csrf = csrf_token(client.get("/").text)
@@ -533,12 +539,10 @@ def test_actions_are_refused_without_the_token_the_csrf_token_or_when_disabled(
         assert cross.status_code == 403
         assert client.post("/logout", data={"csrf_token": csrf}).status_code == 303
     with serve(dashboard_token=TOKEN) as client:  # actions off
-        csrf = csrf_token(client.get("/", headers=bearer).text)
-        off = client.post("/actions/dlq-requeue", data={**form, "csrf_token": csrf}, headers=bearer)
+        off = client.post("/actions/dlq-requeue", data=form, headers=bearer)
         assert off.status_code == 403 and "read-only" in off.text
     with serve(dashboard_actions=True) as client:  # no authentication: an anonymous viewer
-        csrf = csrf_token(client.get("/").text)
-        anonymous = client.post("/actions/dlq-requeue", data={**form, "csrf_token": csrf})
+        anonymous = client.post("/actions/dlq-requeue", data=form)
         assert anonymous.status_code == 403 and "authenticated operator" in anonymous.text
     assert status_of(engine, run_id) == "failed" and outbox_row(engine, run_id).sent_at is not None
     assert len(receive_all(sqs, queues["critical-dlq"], expect=1, timeout=10)) == 1
@@ -562,9 +566,7 @@ def test_pause_and_resume_are_refused_without_the_token_the_csrf_token_or_when_d
         )
         assert wrong_token.status_code == 401
         login = client.get("/login")
-        signed_in = client.post(
-            "/login", data={"csrf_token": csrf_token(login.text), "token": TOKEN, "name": "op"}
-        )
+        signed_in = client.post("/login", data={"csrf_token": csrf_token(login.text), "token": TOKEN})
         assert signed_in.status_code == 303
         assert client.post(f"/actions/{action}", data=form).status_code == 403  # session, no CSRF
         csrf = csrf_token(client.get("/").text)
@@ -581,8 +583,7 @@ def test_pause_and_resume_are_refused_without_the_token_the_csrf_token_or_when_d
         )
         assert unconfirmed.status_code == 400 and "confirm the action" in unconfirmed.text
     with serve(dashboard_token=TOKEN) as client:  # actions off
-        csrf = csrf_token(client.get("/", headers=bearer).text)
-        off = client.post(f"/actions/{action}", data={**form, "csrf_token": csrf}, headers=bearer)
+        off = client.post(f"/actions/{action}", data=form, headers=bearer)
         assert off.status_code == 403
     with engine.connect() as conn:
         pauses = [(p.scope, p.target) for p in flow.list_pauses(conn)]
@@ -627,16 +628,17 @@ def test_a_script_acts_with_the_bearer_token_alone(
     """Trial finding: a script with only ``Authorization: Bearer`` got 403 (no CSRF token)
     and had to keep a cookie jar; the header cannot be forged cross-site, so it suffices."""
     [run_id] = failed_runs(app, engine, sqs, ops_settings)
-    with serve(dashboard_token=TOKEN, dashboard_actions=True) as client:
+    with serve(dashboard_users=USERS, dashboard_actions=True) as client:
         client.cookies.clear()
         done = client.post(
             "/actions/dlq-requeue",
             data={"run_id": str(run_id), "confirmed": "yes"},
-            headers={"Authorization": f"Bearer {TOKEN}", "X-Operator": "nightly-script"},
+            # the token names its operator; a typed name is not an identity
+            headers={"Authorization": f"Bearer {BOB}", "X-Operator": "mallory"},
         )
         assert done.status_code == 200, done.text
     assert status_of(engine, run_id) == "queued"
-    assert trail(engine, run_id)[-1].worker_id == "dashboard:nightly-script"
+    assert trail(engine, run_id)[-1].worker_id == "dashboard:bob"
 
 
 def test_mounted_in_fastapi_behind_the_applications_own_authentication(
@@ -677,8 +679,8 @@ def test_cancel_from_the_run_page_confirms_then_cancels_and_records_the_operator
     run_id = dispatch(app, "charge_card", {}, tenant_id=3, delay=600)
     done_run = dispatch(app, "charge_card", {}, tenant_id=3)
     execute(engine, "UPDATE task_runs SET status = 'succeeded' WHERE run_id = :r", r=done_run)
-    with serve(dashboard_token=TOKEN, dashboard_actions=True) as client:
-        csrf = logged_in(client, "alice")
+    with serve(dashboard_users=USERS, dashboard_actions=True) as client:
+        csrf = logged_in(client, ALICE)
         page = client.get(f"/runs/{run_id}").text
         assert 'data-action="runs-cancel"' in page
         assert 'data-action="runs-cancel"' not in client.get(f"/runs/{done_run}").text  # finished: no button
@@ -711,8 +713,8 @@ def test_cancel_a_filtered_set_from_the_run_list_and_refusals(
 ) -> None:
     mine = [dispatch(app, "charge_card", {}, tenant_id=5) for _ in range(3)]
     other = dispatch(app, "charge_card", {}, tenant_id=6)
-    with serve(dashboard_token=TOKEN, dashboard_actions=True) as client:
-        csrf = logged_in(client, "bob")
+    with serve(dashboard_users=USERS, dashboard_actions=True) as client:
+        csrf = logged_in(client, BOB)
         listed = client.get("/runs", params={"task": "charge_card", "tenant": "5"}).text
         assert 'id="runs-cancel-matching"' in listed
         assert 'id="runs-cancel-matching"' not in client.get("/runs").text  # no filter: no mass cancel
@@ -739,7 +741,7 @@ def test_cancel_is_refused_without_actions_or_a_token(
     app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
 ) -> None:
     run_id = dispatch(app, "audit", {})
-    with serve(dashboard_token=TOKEN) as client:  # read-only
+    with serve(dashboard_users=USERS) as client:  # read-only
         csrf = logged_in(client)
         refused = client.post(
             "/actions/runs-cancel", data={"csrf_token": csrf, "run_id": str(run_id), "confirmed": "yes"}
@@ -758,11 +760,11 @@ def test_run_page_shows_the_result_escaped_only_when_payloads_are_shown(
         r=run_id,
         q=json.dumps(quote),
     )
-    with serve(dashboard_token=TOKEN) as client:
+    with serve(dashboard_users=USERS) as client:
         logged_in(client)
         hidden = client.get(f"/runs/{run_id}").text
     assert 'id="result-hidden"' in hidden and "12500" not in hidden
-    with serve(dashboard_token=TOKEN, dashboard_show_payloads=True) as client:
+    with serve(dashboard_users=USERS, dashboard_show_payloads=True) as client:
         logged_in(client)
         shown = client.get(f"/runs/{run_id}").text
     assert "12500" in shown and "<script>alert(1)</script>" not in shown

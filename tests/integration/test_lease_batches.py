@@ -103,3 +103,34 @@ def test_a_failing_batch_fails_every_lease_in_it_and_takes_none(
     outcomes = asyncio.run(receive())
     assert all(isinstance(o, sa.exc.DBAPIError) for o in outcomes)
     assert (run_row(engine, first).status, run_row(engine, first).attempts) == ("queued", 0)
+
+
+def test_a_copy_of_a_retrying_run_received_before_its_backoff_ends_is_an_early_copy(
+    app: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """A replayed copy (even a validly signed one: it is the run's own envelope) of a run
+    waiting for its retry is NOT_DUE until the backoff ends; the attempt is not counted."""
+    run_id = _dispatch(app)
+    request = _request(engine, run_id)
+    with engine.begin() as conn:
+        first = attempts.take_lease(conn, **request)
+        assert first.status is attempts.ClaimStatus.CLAIMED
+        attempt = attempts.Attempt(run_id, first.attempt, 1, "batching-worker")
+        failure = attempts.Failure("TimeoutError", "upstream slow")
+        assert attempts.mark_retrying(conn, attempt, failure, backoff_seconds=25.4)
+    with engine.begin() as conn:
+        replayed = attempts.take_lease(conn, **{**request, "receive_count": 2})
+    assert replayed.status is attempts.ClaimStatus.NOT_DUE
+    # due when the run's own message comes back (whole seconds), less the tolerance
+    assert 22.0 < replayed.due_in_seconds <= 24.0
+    assert (run_row(engine, run_id).status, run_row(engine, run_id).attempts) == ("retrying", 1)
+    with engine.begin() as conn:  # a retry without delay (Retry(0), backoff 0): due at once
+        due_now = "UPDATE task_runs SET available_at = clock_timestamp() WHERE run_id = :r"
+        conn.execute(sa.text(due_now), {"r": run_id})
+        again = attempts.take_lease(conn, **{**request, "receive_count": 2})
+        assert again.status is attempts.ClaimStatus.CLAIMED
+        attempt = attempts.Attempt(run_id, again.attempt, 2, "batching-worker")
+        assert attempts.mark_retrying(conn, attempt, failure, backoff_seconds=0.4)
+    with engine.begin() as conn:
+        third = attempts.take_lease(conn, **{**request, "receive_count": 3})
+        assert third.status is attempts.ClaimStatus.CLAIMED

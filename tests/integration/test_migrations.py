@@ -33,6 +33,7 @@ OUR_TABLES = {
     "schedule_tenant_slots",
     "flow_pauses",
     "tenant_flow",
+    "dashboard_sessions",
 }
 
 

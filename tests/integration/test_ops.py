@@ -385,7 +385,12 @@ def test_list_dead_letters_shows_metadata_never_payloads_and_leaves_the_messages
         "failed_at": None,
         "age_seconds": None,
         "run_status": "failed",
-        "origin": "unchecked",
+        "origin": "ledger",  # no signing keys, but the body is the run's outbox envelope
+        "resolved": True,
+        "claims": (),
+        "run_queue": "critical",
+        "run_failed_age_seconds": by_run[charge].run_failed_age_seconds,
+        "digest": by_run[charge].digest,
     }
     assert by_run[audit].age_seconds == pytest.approx(7200, abs=60)
     assert (by_run[audit].tenant_id, by_run[audit].run_status) == (None, "failed")
@@ -394,6 +399,7 @@ def test_list_dead_letters_shows_metadata_never_payloads_and_leaves_the_messages
         9,
         None,
     )
+    assert by_run[ghost].origin == "unverified"  # no such run: nothing vouches for it
     assert (by_run[None].task, by_run[None].reason) == (None, dlq.NO_REASON)
     assert SECRET not in repr(listing) and SECRET not in json.dumps(dataclasses.asdict(listing), default=str)
 
@@ -692,6 +698,13 @@ def test_filters_pick_by_task_and_age_and_every_copy_of_a_requeued_run_is_delete
         engine, sqs, ops_settings, "default", {old_audit, new_audit}, failed_at={old_audit: an_hour_ago}
     )
     fail_into_dlq(engine, sqs, ops_settings, "critical", {charge}, failed_at=an_hour_ago)
+    # --older-than reads when the run failed (its row), not the message's failed_at
+    execute(
+        engine,
+        "UPDATE task_runs SET finished_at = :at WHERE run_id = ANY(:ids)",
+        at=an_hour_ago,
+        ids=[old_audit, charge],
+    )
     original = messages[old_audit]
     sqs.send_message(  # a second copy of the same run (e.g. an interrupted DLQ send, retried)
         QueueUrl=queues["default-dlq"],
@@ -904,9 +917,14 @@ def test_without_signing_a_purged_row_is_never_rebuilt_from_a_dlq_body_by_defaul
     assert report.requeued == 0
     assert sorted((i.reason, i.run_id) for i in report.items) == [
         ("no-reason", run_id),
-        ("unverifiable-body", run_id),
+        ("unverified", run_id),  # the row is purged: nothing vouches for the body
     ]
     assert run_row(engine, run_id).status == "failed" and outbox_row(engine, run_id) is None
+    asked = requeue.requeue(  # acting on it on request still never rebuilds from the body
+        engine, sqs, ops_settings, dlq.DeadLetterFilter(tasks=("charge_card",)), include_unverified=True
+    )
+    assert sorted(i.reason for i in asked.items) == ["no-reason", "unverifiable-body"]
+    assert outbox_row(engine, run_id) is None
     assert len(visible_messages(sqs, queues["critical-dlq"], expect=2)) == 2  # both left in place
 
 
@@ -1155,6 +1173,65 @@ def test_a_requeue_holds_at_most_one_body_per_run_whatever_the_dlq_holds(
         tracemalloc.stop()
     assert [i.reason for i in report.items] == ["unknown-run"] * count
     assert peak < 12 * 2**20, f"{peak / 2**20:.1f} MiB traced"
+
+
+def test_without_signing_filters_match_the_runs_own_row_never_the_dlq_attributes(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+    waker: Waker,
+) -> None:
+    """Unsigned DLQ attributes claiming ``task=audit`` on copies of a failed charge run
+    (one the exact envelope, one forged) do not put the charge run among ``--task audit``:
+    the listing and the requeue read the run's row, and say where each copy comes from."""
+    charge = dispatch(app, "charge_card", {"amount": 10}, tenant_id=3)
+    relay.run_once()
+    genuine = fail_into_dlq(engine, sqs, ops_settings, "critical", {charge})[charge]
+    url = queues["critical-dlq"]
+    relabelled = {
+        **envelope.message_attributes(charge, "audit", 3),
+        "reason": {"DataType": "String", "StringValue": "permanent-error"},
+        "failed_at": {"DataType": "String", "StringValue": "2000-01-01T00:00:00+00:00"},
+    }
+    sqs.send_message(QueueUrl=url, MessageBody=genuine["Body"], MessageAttributes=relabelled)
+    forged = {**json.loads(genuine["Body"]), "payload": json.dumps(ATTACKER)}
+    sqs.send_message(QueueUrl=url, MessageBody=json.dumps(forged), MessageAttributes=relabelled)
+
+    report = requeue.requeue(engine, sqs, ops_settings, dlq.DeadLetterFilter(tasks=("audit",)), waker=waker)
+    assert report.items == [] and run_row(engine, charge).status == "failed"
+    aged = requeue.requeue(  # the claimed failed_at (the year 2000) is not the run's
+        engine, sqs, ops_settings, dlq.DeadLetterFilter(older_than=dt.timedelta(days=1)), waker=waker
+    )
+    assert aged.items == [] and run_row(engine, charge).status == "failed"
+
+    with engine.connect() as conn:
+        assert (
+            dlq.list_dead_letters(
+                sqs, ops_settings, dlq.DeadLetterFilter(tasks=("audit",)), connection=conn
+            ).letters
+            == []
+        )
+        listing = dlq.list_dead_letters(sqs, ops_settings, dlq.DeadLetterFilter(), connection=conn)
+    shown = sorted((x.task, x.origin, x.claims) for x in listing.letters)
+    assert shown == [
+        ("charge_card", "ledger", ()),  # the worker's own copy
+        ("charge_card", "ledger", (("task", "audit"),)),  # the exact envelope, relabelled
+        ("charge_card", "unverified", (("task", "audit"),)),  # another payload: nothing vouches
+    ]
+
+    # the run's own task selects it; the unverified copy is left unless asked for
+    done = requeue.requeue(
+        engine, sqs, ops_settings, dlq.DeadLetterFilter(tasks=("charge_card",)), waker=waker
+    )
+    assert [(i.run_id, i.action, len(i.dlq_message_ids)) for i in done.items if i.selected] == [
+        (charge, "requeued", 2)
+    ]
+    assert [i.reason for i in done.items if not i.selected] == ["unverified"]
+    assert json.loads(outbox_row(engine, charge).envelope["payload"]) == {"amount": 10}
+    assert dlq_bodies(sqs, url, expect=1) == [forged]
 
 
 def _into_dlq_while_retrying(

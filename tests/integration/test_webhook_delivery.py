@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +31,7 @@ from sqla_outbox.testing import RunReport, run_pending
 from sqla_outbox.worker import destination_guard
 from sqla_outbox.worker.registry import Registry, RetryPolicy
 from tests import support
-from tests.webhook_receiver import Receiver, Reply, server_tls_context, tls_files
+from tests.webhook_receiver import ForwardProxy, Receiver, Reply, server_tls_context, tls_files
 
 
 @pytest.fixture
@@ -55,7 +56,10 @@ def receiver() -> Iterator[Receiver]:
 @pytest.fixture
 def delivery_settings(settings: OutboxSettings) -> OutboxSettings:
     return settings.replace(
-        valkey_url=None, webhook_allowed_hosts=("127.0.0.1",), webhook_timeout_seconds=2.0
+        valkey_url=None,
+        webhook_allowed_hosts=("127.0.0.1:1024-65535",),
+        webhook_timeout_seconds=2.0,
+        webhook_response_excerpt="always",
     )
 
 
@@ -67,9 +71,11 @@ def endpoint(app: sessionmaker[Session], url: str, **kwargs: Any) -> tuple[int, 
         return item.id, webhooks.signing_secret(item)
 
 
-def publish(app: sessionmaker[Session], event: str = "invoice.sent", **payload: Any) -> dict[int, uuid.UUID]:
+def publish(
+    app: sessionmaker[Session], event: str = "invoice.sent", tenant_id: int = 1, **payload: Any
+) -> dict[int, uuid.UUID]:
     with app() as session, session.begin():
-        item = Publish(event, payload or {"invoice": 42}, tenant_id=1)
+        item = Publish(event, payload or {"invoice": 42}, tenant_id=tenant_id)
         session.add(item)
         session.flush()
         return item.webhook_deliveries
@@ -163,6 +169,141 @@ def test_a_slow_receiver_times_out_as_a_transient_failure(
     assert step.error_message.startswith("timeout: ")
     assert step.detail["webhook"]["error"]["kind"] == "timeout"
     assert step.detail["webhook"]["error"]["after_ms"] < 3500
+
+
+@pytest.mark.parametrize("phase", ["headers", "body"])
+def test_a_trickling_receiver_is_cut_at_the_attempts_total_deadline(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+    phase: str,
+) -> None:
+    """One byte every 0.3 s never trips a per-step timeout; the total deadline (1.5 s)
+    ends the attempt, and the thread running it returns (run_pending runs it on this one)."""
+    endpoint(app, receiver.url(), events=["invoice.sent"])
+    [run_id] = publish(app).values()
+    # "body": the status and headers at once, then the body a byte at a time
+    receiver.script(Reply(200, trickle_seconds=0.3, trickle_body_only=phase == "body"))
+    settings = delivery_settings.replace(webhook_timeout_seconds=1.5)
+    started = time.monotonic()
+    report = attempt(app, settings, registry)
+    elapsed = time.monotonic() - started
+    assert elapsed < 15  # the receiver would trickle for hours
+    step = support.trail(engine, run_id)[-1]
+    if phase == "headers":  # no status in time: a transient timeout
+        assert statuses(report) == {str(run_id): "retrying"}
+        assert step.error_message.startswith("timeout: ")
+        assert step.detail["webhook"]["error"]["kind"] == "timeout"
+    else:  # the status came in time: the answer is what was read by the deadline
+        assert statuses(report) == {str(run_id): "succeeded"}
+        assert step.detail["webhook"]["response"]["status"] == 200
+        assert step.detail["webhook"]["response"]["body_truncated"] is True
+    support.wait_for(lambda: receiver.abandoned == 1, timeout=10)  # the connection was closed
+
+
+def test_proxy_variables_of_the_environment_are_ignored(
+    app: sessionmaker[Session],
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    proxy = ForwardProxy()
+    try:
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+            monkeypatch.setenv(name, proxy.url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        endpoint(app, receiver.url(), events=["invoice.sent"])
+        [run_id] = publish(app).values()
+        assert statuses(attempt(app, delivery_settings, registry)) == {str(run_id): "succeeded"}
+        assert len(receiver.requests) == 1 and proxy.request_lines == []
+    finally:
+        proxy.close()
+
+
+def test_webhook_proxy_url_sends_every_delivery_through_the_proxy_to_the_checked_address(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        destination_guard, "resolver", lambda host, port: ["127.0.0.1"] if host == "receiver.test" else []
+    )
+    proxy = ForwardProxy()
+    try:
+        settings = delivery_settings.replace(
+            webhook_proxy_url=proxy.url, webhook_allowed_hosts=(f"receiver.test:{receiver.port}",)
+        )
+        endpoint(app, receiver.url("/in", host="receiver.test"), events=["invoice.sent"])
+        refused_id, _ = endpoint(app, receiver.url("/in", host="127.0.0.2"), events=["invoice.sent"])
+        deliveries = publish(app)
+        report = attempt(app, settings, registry)
+        assert sorted(statuses(report).values()) == ["failed", "succeeded"]
+        # the proxy was asked for the checked address; the name stayed in Host
+        assert proxy.request_lines == [f"POST http://127.0.0.1:{receiver.port}/in HTTP/1.1"]
+        [request] = receiver.requests
+        assert request.headers["host"] == f"receiver.test:{receiver.port}"
+        # the guard refused the other destination before the proxy heard of it
+        assert support.run_row(engine, deliveries[refused_id]).last_error.startswith("destination-refused")
+    finally:
+        proxy.close()
+
+
+def test_each_attempt_opens_a_fresh_connection(
+    app: sessionmaker[Session],
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+) -> None:
+    endpoint(app, receiver.url(), events=["invoice.sent"])
+    publish(app)
+    receiver.script(Reply(503), Reply(503))
+    for _ in range(3):
+        attempt(app, delivery_settings, registry)
+    ports = [r.peer_port for r in receiver.requests]
+    assert len(ports) == 3 and len(set(ports)) == 3  # three connections, none reused
+
+
+def test_an_allow_list_entry_admits_its_host_port_and_tenants_only_and_its_answers_are_not_kept(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+) -> None:
+    """Tenant 1's receiver is allowed on its port; the internal service next to it (another
+    port), and the same receiver for tenant 2, are refused; what the allowed receiver
+    answers stays out of the trail."""
+    internal = Receiver()
+    try:
+        internal.script(Reply(200, body=b'{"token": "internal-s3cret"}'))
+        receiver.script(Reply(200, body=b'{"session": "receiver-s3cret"}'))
+        settings = delivery_settings.replace(
+            webhook_allowed_hosts=(f"1@127.0.0.1:{receiver.port}",), webhook_response_excerpt="public"
+        )
+        allowed_id, _ = endpoint(app, receiver.url(), events=["invoice.sent"], tenant_id=1)
+        next_port_id, _ = endpoint(app, internal.url(), events=["invoice.sent"], tenant_id=1)
+        other_tenant_id, _ = endpoint(app, receiver.url(), events=["invoice.sent"], tenant_id=2)
+        deliveries = {**publish(app, tenant_id=1), **publish(app, tenant_id=2)}
+        report = attempt(app, settings, registry)
+        assert report.by_run_id(deliveries[allowed_id]).status == "succeeded"
+        for refused in (next_port_id, other_tenant_id):
+            run = support.run_row(engine, deliveries[refused])
+            assert (run.status, run.last_error_type) == ("failed", "sqla_outbox.errors.WebhookRefused")
+        assert internal.requests == [] and len(receiver.requests) == 1
+        done = support.trail(engine, deliveries[allowed_id])[-1].detail["webhook"]
+        assert done["allowed_by"] == f"1@127.0.0.1:{receiver.port}"
+        assert done["response"]["status"] == 200 and "body" not in done["response"]
+        everything = json.dumps([t.detail for r in deliveries.values() for t in support.trail(engine, r)])
+        assert "s3cret" not in everything
+    finally:
+        internal.close()
 
 
 def test_a_redirect_fails_permanently_and_is_not_followed(
@@ -282,7 +423,7 @@ def test_an_endpoint_edited_after_the_publish_is_delivered_with_its_current_sett
         moved.close()
 
 
-@pytest.mark.parametrize("change", ["disabled", "deleted", "unsubscribed"])
+@pytest.mark.parametrize("change", ["disabled", "deleted", "unsubscribed", "another-tenant"])
 def test_a_disabled_deleted_or_unsubscribed_endpoint_gets_nothing(
     app: sessionmaker[Session],
     engine: sa.Engine,
@@ -300,13 +441,17 @@ def test_a_disabled_deleted_or_unsubscribed_endpoint_gets_nothing(
             webhooks.disable_endpoint(item)
         elif change == "deleted":
             session.delete(item)
+        elif change == "another-tenant":  # a delivery naming another tenant's endpoint
+            item.tenant_id = 2
         else:
             webhooks.update_endpoint(item, events=["order.paid"])
     assert statuses(attempt(app, delivery_settings, registry)) == {str(run_id): "succeeded"}
     assert receiver.requests == []
-    skipped = {"disabled": "endpoint-disabled", "deleted": "endpoint-deleted"}.get(
-        change, "event-unsubscribed"
-    )
+    skipped = {
+        "disabled": "endpoint-disabled",
+        "deleted": "endpoint-deleted",
+        "another-tenant": "endpoint-of-another-tenant",
+    }.get(change, "event-unsubscribed")
     assert support.trail(engine, run_id)[-1].detail["webhook"]["skipped"] == skipped
 
 
@@ -369,7 +514,7 @@ def test_the_connection_goes_to_the_checked_address_and_keeps_the_host_name(
     monkeypatch.setattr(destination_guard, "resolver", lambda host, port: next(answers))
     endpoint(app, receiver.url(host="receiver.test"), events=["invoice.sent"])
     [run_id] = publish(app).values()
-    settings = delivery_settings.replace(webhook_allowed_hosts=("receiver.test",))
+    settings = delivery_settings.replace(webhook_allowed_hosts=("receiver.test:1024-65535",))
     assert statuses(attempt(app, settings, registry)) == {str(run_id): "succeeded"}
     [request] = receiver.requests
     assert request.headers["host"] == f"receiver.test:{receiver.port}"
@@ -396,7 +541,9 @@ def test_tls_uses_the_host_name_for_sni_and_certificate_checks(
         endpoint(app, secure.url(host="receiver.test", scheme="https"), events=["invoice.sent"])
         endpoint(app, secure.url(host="other.test", scheme="https"), events=["invoice.sent"])
         deliveries = publish(app)
-        settings = delivery_settings.replace(webhook_allowed_hosts=("receiver.test", "other.test"))
+        settings = delivery_settings.replace(
+            webhook_allowed_hosts=("receiver.test:1024-65535", "other.test:1024-65535")
+        )
         report = attempt(app, settings, registry)
         good, wrong_name = deliveries.values()
         assert statuses(report) == {str(good): "succeeded", str(wrong_name): "retrying"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import datetime as dt
+import hashlib
 import uuid
 from typing import Any
 
@@ -18,18 +19,38 @@ from sqla_outbox.config import OutboxSettings
 from sqla_outbox.dashboard import charts, views
 from sqla_outbox.dashboard.actions import ActionInputError, ActionRegistry, DlqRequeue, default_actions
 from sqla_outbox.dashboard.app import _safe_next
-from sqla_outbox.dashboard.auth import Auth, Forbidden, Unauthenticated, clean_name
+from sqla_outbox.dashboard.auth import (
+    IDENTITY_KEY,
+    Auth,
+    Forbidden,
+    Identity,
+    Unauthenticated,
+    clean_name,
+    fingerprint,
+)
 from sqla_outbox.dashboard.untrusted import visible
+from sqla_outbox.operators import Operator
 from sqla_outbox.ops.runs import RunCursor, RunRecord, TrailEntry
 
 TOKEN = "a-dashboard-token-of-length"
 NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 
 
-def request(headers: dict[str, str] | None = None, session: dict[str, Any] | None = None) -> Request:
+def request(
+    headers: dict[str, str] | None = None, *, identity: Identity | None = None, client: str = "127.0.0.1"
+) -> Request:
+    """A request as a page sees it (``identity``: what the access middleware found)."""
     raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    scope = {"type": "http", "method": "POST", "path": "/", "headers": raw}
-    return Request({**scope, "session": {} if session is None else session})
+    scope: dict[str, Any] = {
+        "type": "http",
+        "method": "POST",
+        "path": "/",
+        "headers": raw,
+        "client": (client, 5000),
+    }
+    if identity is not None:
+        scope[IDENTITY_KEY] = identity
+    return Request(scope)
 
 
 # --- untrusted text --------------------------------------------------------------------------
@@ -205,70 +226,128 @@ def basic(user: str, password: str) -> str:
     return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
-def test_token_bearer_session_and_basic_identities() -> None:
+def test_token_bearer_and_basic_identities() -> None:
+    """Without a cookie nothing is read from the database: Bearer and Basic decide alone."""
+    own = "an-operators-own-token-0123"
     auth = Auth(
-        OutboxSettings(dashboard_token=TOKEN, dashboard_basic_auth="ops:a-long-password"),
+        OutboxSettings(
+            dashboard_token=TOKEN,
+            dashboard_basic_auth="ops:a-long-password",
+            dashboard_users=(f"zoe:viewer:tenants=4:sha256={hashlib.sha256(own.encode()).hexdigest()}",),
+        ),
         identify=None,
-        secret_key=None,
+        secure_cookies=False,
     )
     assert auth.required and auth.uses_login_page
-    assert auth.identity(request({"Authorization": f"Bearer {TOKEN}"})).method == "token"
-    named = auth.identity(request({"Authorization": f"Bearer {TOKEN}", "X-Operator": "carol"}))
-    assert named.actor == "dashboard:carol"
-    assert auth.identity(request({"Authorization": basic("ops", "a-long-password")})).name == "ops"
+    shared = auth.resolve(request({"Authorization": f"Bearer {TOKEN}"}))
+    assert (shared.name, shared.method, shared.role, shared.bearer) == ("token", "token", "operator", True)
+    # a typed name is not an identity: the token names its operator
+    named = auth.resolve(request({"Authorization": f"Bearer {TOKEN}", "X-Operator": "carol"}))
+    assert named.actor == "dashboard:token"
+    zoe = auth.resolve(request({"Authorization": f"Bearer {own}"}))
+    assert (zoe.name, zoe.method, zoe.role, zoe.tenants, zoe.can_act) == ("zoe", "user", "viewer", {4}, False)
+    assert auth.resolve(request({"Authorization": basic("ops", "a-long-password")})).name == "ops"
     for bad in (
         f"Bearer {TOKEN}x",
+        "Bearer " + hashlib.sha256(own.encode()).hexdigest(),  # the configured hash opens nothing
         basic("ops", "wrong-password"),
         basic("root", "a-long-password"),
         "Basic !!!",
     ):
         with pytest.raises(Unauthenticated):
-            auth.identity(request({"Authorization": bad}))
-    session: dict[str, Any] = {}
-    before = Auth.csrf_token(request(session=session))
-    assert not auth.log_in(request(session=session), "wrong", "dave")
-    assert auth.log_in(request(session=session), TOKEN, "dave")
-    assert Auth.csrf_token(request(session=session)) != before  # a new CSRF token once signed in
-    assert auth.identity(request(session=session)).name == "dave"
-    rotated = Auth(OutboxSettings(dashboard_token=TOKEN + "-rotated"), identify=None, secret_key=None)
-    with pytest.raises(Unauthenticated):  # a session from before the rotation
-        rotated.identity(request(session=session))
-    assert rotated.secret_key != auth.secret_key
+            auth.resolve(request({"Authorization": bad}))
+    with pytest.raises(Unauthenticated):
+        auth.resolve(request())
+    assert fingerprint("token", "token", TOKEN) != fingerprint("token", "token", TOKEN + "-rotated")
+    assert TOKEN not in fingerprint("token", "token", TOKEN)
 
 
 def test_without_own_authentication_the_host_hook_decides() -> None:
-    hosted = Auth(OutboxSettings(), identify=lambda r: r.headers.get("x-user"), secret_key="k" * 32)
-    assert hosted.identity(request({"X-User": "erin"})).actor == "dashboard:erin"
+    hosted = Auth(OutboxSettings(), identify=lambda r: r.headers.get("x-user"), secure_cookies=False)
+    erin = hosted.resolve(request({"X-User": "erin"}))
+    assert (erin.actor, erin.role, hosted.needs_session(erin)) == ("dashboard:erin", "operator", True)
     with pytest.raises(Unauthenticated):
-        hosted.identity(request())
-    anonymous = Auth(OutboxSettings(), identify=None, secret_key=None).identity(request())
-    assert not anonymous.authenticated
+        hosted.resolve(request())
+    scoped = Auth(
+        OutboxSettings(), identify=lambda r: Operator("fay", "viewer", frozenset({2})), secure_cookies=False
+    ).resolve(request())
+    assert (scoped.role, scoped.tenants, scoped.allows_tenant(2), scoped.allows_tenant(None)) == (
+        "viewer",
+        {2},
+        True,
+        False,
+    )
+    anonymous = Auth(OutboxSettings(), identify=None, secure_cookies=False).resolve(request())
+    assert not anonymous.authenticated and anonymous.role == "viewer" and not anonymous.can_act
+
+
+def test_a_proxy_header_needs_the_proxys_address() -> None:
+    with pytest.raises(errors.ConfigurationError, match="PROXY_ADDRESSES"):
+        Auth(
+            OutboxSettings(dashboard_proxy_user_header="X-Forwarded-User"),
+            identify=None,
+            secure_cookies=False,
+        )
+    auth = Auth(
+        OutboxSettings(
+            dashboard_proxy_user_header="X-Forwarded-User",
+            dashboard_proxy_addresses=("10.0.3.0/24",),
+            dashboard_proxy_default_role="none",
+            dashboard_users=("gus:operator",),
+        ),
+        identify=None,
+        secure_cookies=False,
+    )
+    assert auth.resolve(request({"X-Forwarded-User": "gus"}, client="10.0.3.7")).method == "proxy"
+    for headers, client in (
+        ({"X-Forwarded-User": "gus"}, "10.0.4.7"),  # not the proxy
+        ({"X-Forwarded-User": "hal"}, "10.0.3.7"),  # unlisted, and the default role is none
+        ({"X-Forwarded-User": "gus\nx"}, "10.0.3.7"),
+    ):
+        with pytest.raises(Unauthenticated):
+            auth.resolve(request(headers, client=client))
 
 
 def test_csrf_needs_the_sessions_token_and_a_same_site_request() -> None:
-    auth = Auth(OutboxSettings(dashboard_token=TOKEN), identify=None, secret_key=None)
-    session: dict[str, Any] = {}
-    token = Auth.csrf_token(request(session=session))
-    assert Auth.csrf_token(request(session=session)) == token and len(token) >= 32
-    auth.check_csrf(request(session=session), token)
-    auth.check_csrf(request({"X-CSRF-Token": token}, session=session), None)
-    for submitted, headers, sess in (
-        (None, {}, session),
-        (token[:-1] + "x", {}, session),
-        (token, {}, {}),
-        (token, {"Sec-Fetch-Site": "cross-site"}, session),
-        (None, {"Authorization": "Bearer wrong-token"}, session),  # only the real token exempts
-        (None, {"Authorization": f"Bearer {TOKEN}", "Sec-Fetch-Site": "cross-site"}, {}),
+    auth = Auth(OutboxSettings(dashboard_token=TOKEN), identify=None, secure_cookies=False)
+    token = "t" * 43
+    signed_in = Identity("token", "token", csrf=token, session_key="k" * 43)
+    auth.check_csrf(request(identity=signed_in), token)
+    auth.check_csrf(request({"X-CSRF-Token": token}, identity=signed_in), None)
+    for submitted, headers, identity in (
+        (None, {}, signed_in),
+        (token[:-1] + "x", {}, signed_in),
+        (token, {}, dataclasses.replace(signed_in, csrf=None)),  # no session
+        (token, {"Sec-Fetch-Site": "cross-site"}, signed_in),
+        (None, {"Authorization": f"Bearer {TOKEN}", "Sec-Fetch-Site": "cross-site"}, signed_in),
     ):
         with pytest.raises(Forbidden):
-            auth.check_csrf(request(headers, session=sess), submitted)
+            auth.check_csrf(request(headers, identity=identity), submitted)
 
 
 def test_a_script_with_the_bearer_token_needs_no_csrf_token() -> None:
     """Trial finding: a script with only ``Authorization: Bearer`` got 403 on every action.
     A browser never attaches that header by itself, so it cannot be forged cross-site."""
-    auth = Auth(OutboxSettings(dashboard_token=TOKEN), identify=None, secret_key=None)
-    auth.check_csrf(request({"Authorization": f"Bearer {TOKEN}"}, session={}), None)
+    auth = Auth(OutboxSettings(dashboard_token=TOKEN), identify=None, secure_cookies=False)
+    auth.check_csrf(request(identity=Identity("token", "token", bearer=True)), None)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "alice",
+        "alice:root",
+        "alice:operator:sha256=abc",
+        "bad name:viewer",
+        "a:viewer:tenants=x",
+        "a:viewer:pw=1",
+    ],
+)
+def test_a_bad_operator_entry_is_refused_by_the_settings(entry: str) -> None:
+    with pytest.raises(errors.ConfigurationError, match="SQLA_OUTBOX_DASHBOARD_USERS"):
+        OutboxSettings(dashboard_users=(entry,))
+    with pytest.raises(errors.ConfigurationError, match="listed twice"):
+        OutboxSettings(dashboard_users=("a:viewer", "a:operator"))
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,9 @@ import ipaddress
 import pytest
 
 from sqla_outbox import errors
+from sqla_outbox.config import OutboxSettings
 from sqla_outbox.worker import destination_guard as guard
-from sqla_outbox.worker.webhook_delivery import _retry_after
+from sqla_outbox.worker.webhook_delivery import _retry_after, keeps_excerpt
 
 REFUSED = [
     ("127.0.0.1", "loopback"),
@@ -109,20 +110,90 @@ def test_resolution_happens_once_so_a_rebinding_answer_is_never_used() -> None:
     assert destination.pinned_url == "http://93.184.215.14/in"
 
 
-def test_allowed_hosts_let_listed_names_and_networks_through() -> None:
+def test_allowed_hosts_let_listed_names_and_networks_through_on_their_ports() -> None:
     resolve = resolver({"receiver.internal": ["10.1.2.3"], "other.internal": ["10.9.9.9"]})
     by_name = guard.resolve_destination(
-        "http://receiver.internal:9000/in", allowed_hosts=["receiver.internal"], resolve=resolve
+        "http://receiver.internal:9000/in", allowed_hosts=["receiver.internal:9000"], resolve=resolve
     )
-    assert (str(by_name.address), by_name.allowed_by) == ("10.1.2.3", "receiver.internal")
+    assert (str(by_name.address), by_name.allowed_by) == ("10.1.2.3", "receiver.internal:9000")
     by_network = guard.resolve_destination(
-        "http://other.internal/in", allowed_hosts=["10.9.0.0/16"], resolve=resolve
+        "http://other.internal/in", allowed_hosts=["10.9.0.0/16:80-90"], resolve=resolve
     )
-    assert by_network.allowed_by == "10.9.0.0/16"
+    assert by_network.allowed_by == "10.9.0.0/16:80-90"
     with pytest.raises(errors.WebhookRefused):
-        guard.resolve_destination("http://other.internal/in", allowed_hosts=["10.1.0.0/16"], resolve=resolve)
-    loopback = guard.resolve_destination("http://127.0.0.1:5000/in", allowed_hosts=["127.0.0.1"])
+        guard.resolve_destination(
+            "http://other.internal/in", allowed_hosts=["10.1.0.0/16:80"], resolve=resolve
+        )
+    loopback = guard.resolve_destination("http://127.0.0.1:5000/in", allowed_hosts=["127.0.0.1:5000"])
     assert loopback.pinned_url == "http://127.0.0.1:5000/in"
+
+
+def test_an_allow_list_entry_admits_its_ports_only() -> None:
+    """An internal host allowed on 8850 is not reachable on 8851 (another service)."""
+    allowed = ["127.0.0.1:8850", "receiver.internal:8000-8099"]
+    assert guard.resolve_destination("http://127.0.0.1:8850/in", allowed_hosts=allowed).port == 8850
+    with pytest.raises(errors.WebhookRefused) as refused:
+        guard.resolve_destination("http://127.0.0.1:8851/in", allowed_hosts=allowed)
+    assert "127.0.0.1 (loopback)" in str(refused.value) and "port 8851" in str(refused.value)
+    resolve = resolver({"receiver.internal": ["10.1.2.3"]})
+    for port, passes in ((8000, True), (8099, True), (8100, False), (80, False)):
+        url = f"http://receiver.internal:{port}/in"
+        if passes:
+            assert guard.resolve_destination(url, allowed_hosts=allowed, resolve=resolve).port == port
+        else:
+            with pytest.raises(errors.WebhookRefused):
+                guard.resolve_destination(url, allowed_hosts=allowed, resolve=resolve)
+
+
+def test_an_allow_list_entry_scoped_to_tenants_admits_only_their_deliveries() -> None:
+    allowed = ["3+7@127.0.0.1:8850"]
+    for tenant in (3, 7):
+        destination = guard.resolve_destination(
+            "http://127.0.0.1:8850/in", allowed_hosts=allowed, tenant_id=tenant
+        )
+        assert destination.allowed_by == "3+7@127.0.0.1:8850"
+    for tenant in (4, None):
+        with pytest.raises(errors.WebhookRefused):
+            guard.resolve_destination("http://127.0.0.1:8850/in", allowed_hosts=allowed, tenant_id=tenant)
+
+
+def test_public_addresses_are_reached_on_the_public_ports_only() -> None:
+    resolve = resolver({"hooks.example": ["93.184.215.14"]})
+    for port in (80, 443, 8080, 8443):
+        url = f"https://hooks.example:{port}/in"
+        assert guard.resolve_destination(url, resolve=resolve).allowed_by is None
+    for port in (22, 25, 6379, 8851):
+        with pytest.raises(errors.WebhookRefused) as refused:
+            guard.resolve_destination(f"http://hooks.example:{port}/in", resolve=resolve)
+        assert f"port {port} is not in webhook_public_ports" in str(refused.value)
+    wider = guard.resolve_destination(
+        "http://hooks.example:9443/in", public_ports=["443", "9000-9999"], resolve=resolve
+    )
+    assert wider.port == 9443
+    # an allow-list entry may admit a public host on another port
+    listed = guard.resolve_destination(
+        "http://hooks.example:2222/in", allowed_hosts=["hooks.example:2222"], resolve=resolve
+    )
+    assert listed.allowed_by == "hooks.example:2222"
+
+
+def test_the_excerpt_is_kept_for_public_destinations_only_by_default() -> None:
+    resolve = resolver({"hooks.example": ["93.184.215.14"]})
+    public = guard.resolve_destination("https://hooks.example/in", resolve=resolve)
+    internal = guard.resolve_destination("http://127.0.0.1:8850/in", allowed_hosts=["127.0.0.1:8850"])
+    assert [keeps_excerpt(d, "public") for d in (public, internal)] == [True, False]
+    assert [keeps_excerpt(d, "never") for d in (public, internal)] == [False, False]
+    assert [keeps_excerpt(d, "always") for d in (public, internal)] == [True, True]
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ["127.0.0.1", "hooks.internal", "fd00::1:443", "[fd00::1]", "h:0", "h:70000", "h:9-1", "x@h:1", "a b:1"],
+)
+def test_an_allow_list_entry_without_a_valid_port_is_refused_by_the_settings(entry: str) -> None:
+    with pytest.raises(errors.ConfigurationError) as refused:
+        OutboxSettings(webhook_allowed_hosts=(entry,))
+    assert "SQLA_OUTBOX_WEBHOOK_ALLOWED_HOSTS" in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -182,7 +182,7 @@ def test_texts_follow_their_declared_shape() -> None:
         "tenant_foreign_key": ("billing.accounts.id", "accounts"),
         "health_host": ("::1", "bad host!"),
         "dashboard_host": ("localhost", "  "),
-        "webhook_allowed_hosts": (("10.1.2.0/24",), ("10.1.2.0/24", "no spaces")),
+        "webhook_allowed_hosts": (("10.1.2.0/24:443",), ("10.1.2.0/24:443", "no spaces")),
         "wake_key": ("k", ""),
     }
     for name, (good, bad) in cases.items():

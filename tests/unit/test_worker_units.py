@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 
 import pytest
 
 from sqla_outbox import errors
+from sqla_outbox.config import OutboxSettings
 from sqla_outbox.lifecycle import retry
 from sqla_outbox.worker.consumer import visibility_ends_by
 from sqla_outbox.worker.flight import InFlight
@@ -241,3 +243,29 @@ def test_preflight_refuses_async_handlers_without_greenlet(monkeypatch: pytest.M
     )
     with pytest.raises(errors.ConfigurationError, match=r"async handlers \(index\) need greenlet"):
         registry.preflight(OutboxSettings(), queues=("default",))
+
+
+def test_one_tenants_webhook_deliveries_hold_at_most_their_share_of_the_slots() -> None:
+    """worker_concurrency 4 x webhook_tenant_slot_share 0.5: two deliveries per tenant at
+    once; a third waits (deferred as tenant-share), another tenant's are admitted."""
+    from sqla_outbox.worker import gate as gate_module
+    from sqla_outbox.worker.limits import TaskLimits
+
+    settings = OutboxSettings(valkey_url=None, worker_concurrency=4, webhook_tenant_slot_share=0.5)
+    gate = gate_module.Gate(settings, breakers={}, worker_id="w")
+    task, none = "webhooks.deliver", TaskLimits()
+    assert gate.counts_shares(task) and not gate.counts_shares("send_welcome")
+    first, second = (gate.admit(task, none, uuid.uuid4(), 1) for _ in range(2))
+    assert first.admission is not None and second.admission is not None
+    third = gate.admit(task, none, uuid.uuid4(), 1)
+    assert (third.admission, third.reason, third.wait_seconds) == (None, "tenant-share", None)
+    other = gate.admit(task, none, uuid.uuid4(), 2)
+    assert other.admission is not None
+    gate.release(first.admission, "success")
+    again = gate.admit(task, none, uuid.uuid4(), 1)
+    assert again.admission is not None
+    # a share of 1 (or one slot per tenant anyway) counts nothing
+    whole = gate_module.Gate(settings.replace(webhook_tenant_slot_share=1.0), breakers={}, worker_id="w")
+    assert not whole.counts_shares(task)
+    tiny = gate_module.Gate(settings.replace(webhook_tenant_slot_share=0.1), breakers={}, worker_id="w")
+    assert tiny.tenant_slots == 1
