@@ -57,8 +57,7 @@ def previous_release(tmp_path: Path) -> Path:
         timeout=60,
     )
     assert made.returncode == 0, (
-        f"the 0.1.0 commit {PREVIOUS_RELEASE[:12]} is needed (a full clone, not a shallow one): "
-        f"{made.stderr}"
+        f"the 0.1.0 commit {PREVIOUS_RELEASE[:12]} is needed (a full clone, not a shallow one): {made.stderr}"
     )
     folder = tmp_path / "previous"
     with tarfile.open(archive) as tar:
