@@ -310,10 +310,11 @@ class WebhookRefused(PermanentError):
     """A webhook delivery failed in a way that repeats on every attempt; it is not retried.
 
     The destination was refused by the SSRF guard (not http(s), or an address that is not
-    public), or the receiver answered with a redirect or a 4xx status other than 429.
+    public), or the receiver answered with a redirect or a 4xx status other than 429
+    (``410 Gone`` also disables the endpoint).
 
     Attributes:
-        reason: ``destination-refused``, ``redirect`` or ``client-error``.
+        reason: ``destination-refused``, ``redirect``, ``gone`` or ``client-error``.
     """
 
     code = "webhook-refused"

@@ -364,6 +364,9 @@ class WebhookEndpoint(Base):
             ISO 8601, "expires_at": ISO 8601 or null}]``. The newest signs; an older one
             also signs until its ``expires_at`` (rotation). CHECKed to be a non-empty array.
         enabled: False: nothing is scheduled, and scheduled deliveries are not sent.
+        disabled_at / disabled_reason: When and why it was disabled (sqlaob_0013), both
+            None while enabled: ``operator`` (:func:`sqla_outbox.webhooks.disable_endpoint`)
+            or ``gone`` (the receiver answered ``410 Gone``; the worker disabled it).
         description: Free text for humans.
         created_at / updated_at: ``clock_timestamp()``; ``updated_at`` is set by the ORM
             on every change.
@@ -377,6 +380,8 @@ class WebhookEndpoint(Base):
     events: Mapped[list[str]] = mapped_column(ARRAY(Text), server_default=text("'{}'::text[]"))
     secrets: Mapped[list[dict[str, Any]]] = mapped_column(JSONB)
     enabled: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
+    disabled_at: Mapped[dt.datetime | None] = mapped_column(TIMESTAMPTZ)
+    disabled_reason: Mapped[str | None] = mapped_column(Text)
     description: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[dt.datetime] = mapped_column(TIMESTAMPTZ, server_default=CLOCK)
     updated_at: Mapped[dt.datetime] = mapped_column(

@@ -214,6 +214,8 @@ def new_endpoint(
         events=check_events(events, catalog),
         secrets=[_entry(check_secret(secret) if secret is not None else generate_secret(), _now())],
         enabled=enabled,
+        disabled_at=None if enabled else _now(),
+        disabled_reason=None if enabled else DISABLED_BY_OPERATOR,
         description=description,
     )
 
@@ -245,16 +247,32 @@ def update_endpoint(
     return endpoint
 
 
+DISABLED_BY_OPERATOR = "operator"
+"""``disabled_reason`` of an endpoint disabled through :func:`disable_endpoint`."""
+
+DISABLED_GONE = "gone"
+"""``disabled_reason`` of an endpoint whose receiver answered ``410 Gone``: Standard
+Webhooks ("Sending webhooks", failures) has senders disable an endpoint that answers 410."""
+
+
 def disable_endpoint(endpoint: WebhookEndpoint) -> WebhookEndpoint:
     """Stop scheduling deliveries to it; scheduled ones are not sent (their runs succeed
-    with ``skipped: endpoint-disabled`` in the trail)."""
+    with ``skipped: endpoint-disabled`` in the trail). Records ``disabled_at`` (now, UTC)
+    and ``disabled_reason`` ``operator``; disabling a disabled endpoint keeps its first
+    reason."""
+    if endpoint.enabled is not False:
+        endpoint.disabled_at = _now()
+        endpoint.disabled_reason = DISABLED_BY_OPERATOR
     endpoint.enabled = False
     return endpoint
 
 
 def enable_endpoint(endpoint: WebhookEndpoint) -> WebhookEndpoint:
-    """Schedule deliveries to it again (events published while disabled are not sent)."""
+    """Schedule deliveries to it again (events published while disabled are not sent);
+    clears ``disabled_at`` and ``disabled_reason``."""
     endpoint.enabled = True
+    endpoint.disabled_at = None
+    endpoint.disabled_reason = None
     return endpoint
 
 

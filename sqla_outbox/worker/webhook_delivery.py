@@ -21,7 +21,10 @@ Each attempt:
    read together; no redirects followed, no proxies from the environment, the
    ``webhook_proxy_url`` proxy when set, one fresh connection per attempt) and
    **classifies** the answer: 2xx succeeded; 3xx and
-   4xx other than 429 → permanent (``redirect`` / ``client-error``); 429, 5xx, timeouts
+   4xx other than 429 → permanent (``redirect`` / ``client-error``); ``410 Gone`` →
+   permanent (``gone``) and the endpoint is **disabled** with ``disabled_reason`` ``gone``
+   (Standard Webhooks: a receiver answers 410 to unsubscribe), so its other scheduled
+   deliveries are skipped and nothing more is scheduled for it; 429, 5xx, timeouts
    and connection errors → transient (:class:`~sqla_outbox.errors.WebhookFailed`), with
    a ``Retry-After`` that lengthens the next attempt's delay beyond the task's backoff
    (never shortens it), capped below SQS's 12-hour visibility limit.
@@ -71,6 +74,15 @@ after the receive (ChangeMessageVisibility), and the attempt itself took up to i
 
 USER_AGENT = "sqla-outbox-webhooks/1"
 
+_DISABLE_GONE = text(
+    """
+UPDATE webhook_endpoints
+SET enabled = false, disabled_at = clock_timestamp(), disabled_reason = :reason,
+    updated_at = clock_timestamp()
+WHERE id = :id AND tenant_id = :tenant_id AND enabled
+"""
+).bindparams(bindparam("id", type_=BigInteger), bindparam("tenant_id", type_=BigInteger))
+
 _ENDPOINT = text(
     """
 SELECT tenant_id, url, events, enabled, secrets, clock_timestamp() AS now
@@ -115,7 +127,8 @@ def deliver(payload: Any, ctx: TaskContext) -> None:
     """Deliver one webhook event to one endpoint (the ``webhooks.deliver`` handler).
 
     Raises:
-        WebhookRefused: Permanent: destination refused, redirect, or 4xx other than 429.
+        WebhookRefused: Permanent: destination refused, redirect, 410 (the endpoint is
+            disabled first, reason ``gone``), or another 4xx other than 429.
         WebhookFailed: Transient: 429/5xx (with ``retry_after_seconds`` when the receiver
             sent ``Retry-After``: the next attempt waits at least that long, capped), timeout,
             connection error, a name that does not resolve.
@@ -157,7 +170,23 @@ def deliver(payload: Any, ctx: TaskContext) -> None:
     status, retry_after = _send(
         destination, body, headers, deadline, record, keep_excerpt=keep, proxy_url=settings.webhook_proxy_url
     )
+    if status == 410:
+        _disable_gone(_engine(ctx), delivery.endpoint_id, ctx)
+        record["endpoint_disabled"] = webhooks.DISABLED_GONE
     _classify(status, retry_after, record)
+
+
+def _disable_gone(engine: Engine, endpoint_id: int, ctx: TaskContext) -> None:
+    """Disable an endpoint whose receiver answered 410, in a transaction of its own: the
+    attempt fails permanently, so the handler's own session is rolled back, and the
+    endpoint must stay disabled. Only an enabled endpoint of the run's tenant is changed
+    (a second 410 keeps the first ``disabled_at``)."""
+    with engine.begin() as connection:
+        changed = connection.execute(
+            _DISABLE_GONE, {"id": endpoint_id, "tenant_id": ctx.tenant_id, "reason": webhooks.DISABLED_GONE}
+        ).rowcount
+    if changed:
+        ctx.logger.warning("webhook endpoint %s disabled: its receiver answered 410 Gone", endpoint_id)
 
 
 def keeps_excerpt(destination: Destination, policy: str) -> bool:
@@ -325,6 +354,8 @@ def _classify(status: int, retry_after: float | None, record: dict[str, Any]) ->
         return
     if 300 <= status < 400:
         raise errors.WebhookRefused("redirect", f"the receiver answered {status}; redirects are not followed")
+    if status == 410:
+        raise errors.WebhookRefused("gone", "the receiver answered 410 Gone; the endpoint is disabled")
     if 400 <= status < 500 and status != 429:
         raise errors.WebhookRefused("client-error", f"the receiver answered {status}")
     reason = "rate-limited" if status == 429 else "server-error"

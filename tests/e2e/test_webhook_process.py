@@ -119,6 +119,63 @@ def test_a_published_event_is_delivered_signed_retried_and_refused_by_real_proce
     assert len(receiver.requests) == 2
 
 
+def test_a_receiver_answering_410_has_its_endpoint_disabled_by_the_worker_process(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    settings: OutboxSettings,
+    sqs_endpoint: str,
+    queues: dict[str, str],
+    receiver: Receiver,
+) -> None:
+    with app() as session, session.begin():
+        gone = webhooks.new_endpoint(tenant_id=1, url=receiver.url("/unsubscribed"), events=["order.paid"])
+        session.add(gone)
+        session.flush()
+        gone_id = gone.id
+    receiver.script(Reply(410), Reply(410), Reply(410))
+    processes = [
+        start_relay(settings, sqs_endpoint),
+        start_worker(
+            settings,
+            sqs_endpoint,
+            imports="tests.e2e.webhook_tasks",
+            SQLA_OUTBOX_WEBHOOK_ALLOWED_HOSTS=f"127.0.0.1:{receiver.port}",
+            SQLA_OUTBOX_WEBHOOK_TIMEOUT_SECONDS="5",
+        ),
+    ]
+    try:
+        processes[1].wait_for_action("worker.started")
+        with app() as session, session.begin():
+            first = Publish("order.paid", {"order_id": 1, "mode": "ok"}, tenant_id=1)
+            session.add(first)
+            session.flush()
+            delivery = first.webhook_deliveries[gone_id]
+        wait_for(lambda: run_row(engine, delivery).status == "failed", timeout=60)
+        with app() as session, session.begin():
+            later = Publish("order.paid", {"order_id": 2, "mode": "ok"}, tenant_id=1)
+            session.add(later)
+            session.flush()
+            assert later.webhook_deliveries == {}  # disabled: nothing scheduled for it
+            welcome = later.resolved_run_ids["send_welcome"]
+        wait_for(lambda: run_row(engine, welcome).status == "succeeded", timeout=60)
+    finally:
+        for process in processes:
+            process.kill()
+            print(f"--- {process.name} ---\n" + "".join(process.raw[-30:]))
+    run = run_row(engine, delivery)
+    assert (run.attempts, run.last_error) == (
+        1,
+        "gone: the receiver answered 410 Gone; the endpoint is disabled",
+    )
+    with engine.connect() as connection:
+        row = connection.execute(
+            sa.text("SELECT enabled, disabled_reason, disabled_at FROM webhook_endpoints WHERE id = :id"),
+            {"id": gone_id},
+        ).one()
+    assert (row.enabled, row.disabled_reason) == (False, "gone") and row.disabled_at is not None
+    assert [r.path for r in receiver.requests] == ["/unsubscribed"]
+
+
 def _threads(pid: int) -> int:
     """Threads of a process now (Linux ``/proc/<pid>/status``)."""
     with open(f"/proc/{pid}/status") as status:

@@ -27,6 +27,7 @@ from sqla_outbox import Publish, webhooks
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.lifecycle import retry
+from sqla_outbox.models import WebhookEndpoint
 from sqla_outbox.testing import RunReport, run_pending
 from sqla_outbox.worker import destination_guard
 from sqla_outbox.worker.registry import Registry, RetryPolicy
@@ -325,7 +326,7 @@ def test_a_redirect_fails_permanently_and_is_not_followed(
     assert run.last_error.startswith("redirect: the receiver answered 307")
 
 
-@pytest.mark.parametrize("status", [400, 404, 410, 422])
+@pytest.mark.parametrize("status", [400, 404, 422])
 def test_a_4xx_fails_permanently(
     app: sessionmaker[Session],
     engine: sa.Engine,
@@ -340,6 +341,88 @@ def test_a_4xx_fails_permanently(
     assert statuses(attempt(app, delivery_settings, registry)) == {str(run_id): "failed"}
     run = support.run_row(engine, run_id)
     assert (run.attempts, run.last_error) == (1, f"client-error: the receiver answered {status}")
+
+
+def test_410_gone_disables_the_endpoint_and_nothing_more_is_scheduled_for_it(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+) -> None:
+    other = Receiver()  # another tenant endpoint's receiver, which keeps answering 200
+    try:
+        gone_id, _ = endpoint(app, receiver.url("/gone"), events=["invoice.sent"])
+        kept_id, _ = endpoint(app, other.url("/kept"), events=["invoice.sent"])
+        first = publish(app, invoice=1)
+        receiver.script(Reply(410))
+        report = attempt(app, delivery_settings, registry)
+        outcome = report.by_run_id(first[gone_id])
+        assert (outcome.status, outcome.reason, outcome.attempts) == ("failed", "permanent-error", 1)
+        assert report.by_run_id(first[kept_id]).status == "succeeded"
+        run = support.run_row(engine, first[gone_id])
+        assert run.last_error == "gone: the receiver answered 410 Gone; the endpoint is disabled"
+        assert support.trail(engine, first[gone_id])[-1].detail["webhook"]["endpoint_disabled"] == "gone"
+        with app() as session:
+            gone, kept = session.get(WebhookEndpoint, gone_id), session.get(WebhookEndpoint, kept_id)
+            assert gone is not None and kept is not None
+            assert (gone.enabled, gone.disabled_reason) == (False, "gone") and gone.disabled_at is not None
+            assert (kept.enabled, kept.disabled_reason, kept.disabled_at) == (True, None, None)
+
+        # a later publish schedules nothing for it, and the other endpoint still gets events
+        second = publish(app, invoice=2)
+        assert list(second) == [kept_id]
+        attempt(app, delivery_settings, registry)
+        assert [r.path for r in receiver.requests] == ["/gone"]
+        assert [r.path for r in other.requests] == ["/kept", "/kept"]
+
+        # enabled again by its owner: the reason is cleared and deliveries resume
+        with app() as session, session.begin():
+            item = session.get(WebhookEndpoint, gone_id)
+            assert item is not None
+            webhooks.enable_endpoint(item)
+        with app() as session:
+            item = session.get(WebhookEndpoint, gone_id)
+            assert item is not None
+            assert (item.enabled, item.disabled_reason, item.disabled_at) == (True, None, None)
+        assert gone_id in publish(app, invoice=3)
+    finally:
+        other.close()
+
+
+def test_a_delivery_scheduled_before_a_410_disabled_its_endpoint_is_not_sent(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    receiver: Receiver,
+    delivery_settings: OutboxSettings,
+    registry: Registry,
+) -> None:
+    gone_id, _ = endpoint(app, receiver.url("/gone"), events=["invoice.sent"])
+    first, second = publish(app, invoice=1), publish(app, invoice=2)  # both scheduled while enabled
+    receiver.script(Reply(410))
+    report = attempt(app, delivery_settings, registry)
+    outcomes = sorted(report.by_run_id(r[gone_id]).status for r in (first, second))
+    assert outcomes == ["failed", "succeeded"]  # the one after the 410 is skipped, not sent
+    assert len(receiver.requests) == 1
+    skipped = next(r[gone_id] for r in (first, second) if report.by_run_id(r[gone_id]).status == "succeeded")
+    assert support.trail(engine, skipped)[-1].detail["webhook"]["skipped"] == "endpoint-disabled"
+
+
+def test_an_endpoint_disabled_by_its_owner_records_why_and_a_410_keeps_that(
+    app: sessionmaker[Session],
+) -> None:
+    with app() as session, session.begin():
+        item = webhooks.new_endpoint(tenant_id=1, url="https://example.com/in", events=["invoice.sent"])
+        made = webhooks.new_endpoint(
+            tenant_id=1, url="https://example.com/off", events=["invoice.sent"], enabled=False
+        )
+        session.add_all([item, made])
+        session.flush()
+        webhooks.disable_endpoint(item)
+        first_at = item.disabled_at
+        webhooks.disable_endpoint(item)  # a second disable keeps the first time and reason
+        assert (item.disabled_reason, item.disabled_at) == ("operator", first_at)
+        assert (made.enabled, made.disabled_reason) == (False, "operator")
 
 
 @pytest.mark.parametrize(
