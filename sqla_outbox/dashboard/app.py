@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import http
 import json
 import logging
 import threading
@@ -303,6 +304,9 @@ class Pages:
     async def runs_list(self, request: Request) -> Response:
         identity = self.auth.identity(request)
         size = views.RUNS_PAGE_SIZE
+        # Offered on every answer, the refused filter's too: the template reads it in both
+        # modes (a 400 with actions enabled once failed on it as an undefined name).
+        list_actions = _offered(self.dashboard.actions.in_place("runs"), identity)
         try:
             query = views.runs_query(
                 dict(request.query_params), limit=size + 1, queues=self.dashboard.queue_names
@@ -316,6 +320,7 @@ class Pages:
                 error=str(exc),
                 values=_raw_filters(request),
                 rows=[],
+                list_actions=list_actions,
                 **_no_pages(),
             )
         filters = query.filters
@@ -336,7 +341,7 @@ class Pages:
             values=query.values,
             rows=rows,
             error=None,
-            list_actions=_offered(self.dashboard.actions.in_place("runs"), identity),
+            list_actions=list_actions,
             newer=None if newer is None else runs.RunCursor(newer.created_at, newer.run_id).encode(),
             older=None if older is None else runs.RunCursor(older.created_at, older.run_id).encode(),
         )
@@ -698,7 +703,7 @@ class Pages:
             "error.html",
             identity,
             exc.status_code,
-            title="Not found",
+            title=_status_phrase(exc.status_code),
             message=str(exc.detail),
             page="error",
         )
@@ -723,6 +728,14 @@ def _offered(actions: list[Action], identity: Identity) -> list[Action]:
     """The actions a page offers ``identity``: an operator restricted to tenants is offered
     only those that apply the restriction (the others would answer 403)."""
     return [a for a in actions if identity.tenants is None or a.tenant_scoped]
+
+
+def _status_phrase(status_code: int) -> str:
+    """An error page's title: the HTTP reason phrase ("Not Found", "Method Not Allowed")."""
+    try:
+        return http.HTTPStatus(status_code).phrase
+    except ValueError:
+        return f"Error {status_code}"
 
 
 def _raw_filters(request: Request) -> dict[str, str]:

@@ -241,6 +241,58 @@ def test_runs_list_filters_and_keyset_pages_reach_every_run_once(
     )
 
 
+BAD_REQUESTS = (
+    ("GET", "/runs", {"tenant": "abc"}, 400, "tenant: &#39;abc&#39; is neither a tenant id"),
+    ("GET", "/runs", {"since": "yesterday"}, 400, "since: &#39;yesterday&#39; is not a date and time"),
+    ("GET", "/runs", {"status": "done"}, 400, "status: &#39;done&#39; is not one of"),
+    ("GET", "/runs", {"queue": "nowhere"}, 400, "queue: &#39;nowhere&#39; is not one of"),
+    ("GET", "/runs", {"before": "not-a-cursor"}, 400, "before: not a position in the run list"),
+    ("GET", "/runs", {"task": "x" * 300}, 400, "task: at most"),
+    ("GET", "/dlq", {"older_than": "soon"}, 400, "is not a duration"),
+    ("GET", "/dlq", {"queue": "nowhere"}, 400, "queue: &#39;nowhere&#39; is not one of"),
+    ("GET", "/runs/not-a-run-id", {}, 404, "no such run"),
+    ("GET", f"/runs/{uuid.UUID(int=7)}", {}, 404, f"no run {uuid.UUID(int=7)}"),
+    ("GET", "/no-such-page", {}, 404, "Not Found"),
+    ("GET", "/logout", {}, 405, "Method Not Allowed"),
+)
+"""Every page's refused input: (method, path, query, status, what the page says)."""
+
+
+@pytest.mark.parametrize("mode", ["read-only", "actions"])
+@pytest.mark.parametrize(("method", "path", "params", "status", "says"), BAD_REQUESTS)
+def test_every_pages_error_path_renders_in_both_modes(
+    serve: Callable[..., Any],
+    mode: str,
+    method: str,
+    path: str,
+    params: dict[str, str],
+    status: int,
+    says: str,
+) -> None:
+    """A refused filter or an unknown page answers its own status with the whole page
+    (navigation, the message), never a bare 500, whether actions are enabled or not: with
+    actions enabled an invalid Runs filter once answered 500 (an undefined template name)."""
+    changes = {"dashboard_token": TOKEN, "dashboard_actions": True} if mode == "actions" else {}
+    headers = {"Authorization": f"Bearer {TOKEN}"} if mode == "actions" else {}
+    with serve(**changes) as client:
+        answer = client.request(method, path, params=params, headers=headers)
+    assert answer.status_code == status, answer.text[:500]
+    assert says in answer.text
+    assert 'href="/runs"' in answer.text  # the navigation: a whole page, not a bare error
+    if mode == "actions" and path == "/runs":
+        assert 'data-action="runs-cancel"' not in answer.text  # nothing offered on refused filters
+
+
+def test_an_unknown_action_answers_404_as_a_page_with_actions_enabled(serve: Callable[..., Any]) -> None:
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    with serve(dashboard_token=TOKEN, dashboard_actions=True) as client:
+        preview = client.post("/actions/no-such-action/preview", data={}, headers=bearer)
+        perform = client.post("/actions/no-such-action", data={"confirmed": "yes"}, headers=bearer)
+    for answer in (preview, perform):
+        assert answer.status_code == 404 and "no such action" in answer.text
+        assert 'href="/runs"' in answer.text
+
+
 def test_run_page_shows_the_envelope_attempts_and_trail_and_hides_the_payload(
     app: sessionmaker[Session],
     engine: sa.Engine,
