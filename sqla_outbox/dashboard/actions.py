@@ -100,6 +100,11 @@ class ActionReport:
         columns / rows: The table; untrusted text is escaped by the template.
         changed: How many things the action changed (0 for a preview).
         notes: Extra lines (missing queues, ...).
+        confirm_fields: A preview's pinned selection: the form fields the confirmation
+            submits instead of the submitted ones (``{"run_id": ["<id>,<id>"]}``), so that
+            confirming acts on exactly the runs previewed, never on what a filter matches
+            by then; ``{}`` when the preview selected nothing (nothing to confirm). None:
+            the confirmation resubmits the form as it was.
     """
 
     summary: str
@@ -107,6 +112,17 @@ class ActionReport:
     rows: Sequence[tuple[Cell, ...]] = dataclasses.field(default_factory=list)
     changed: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
+    confirm_fields: dict[str, list[str]] | None = None
+
+
+def pinned_runs(run_ids: Iterable[uuid.UUID], **kept: str) -> dict[str, list[str]]:
+    """:attr:`ActionReport.confirm_fields` for a preview that selected ``run_ids``: the ids
+    in one comma-separated ``run_id`` field (a form's field count is capped, its length is
+    not), plus ``kept`` fields (flags the action still needs); ``{}`` for no run."""
+    ids = list(dict.fromkeys(run_ids))
+    if not ids:
+        return {}
+    return {"run_id": [",".join(str(r) for r in ids)], **{k: [v] for k, v in kept.items() if v}}
 
 
 class Action(abc.ABC):
@@ -290,7 +306,12 @@ class DlqRequeue(Action):
             dry_run=True,
             include_unverified=params.include_unverified,
         )
-        return self._report(report)
+        previewed = self._report(report)
+        previewed.confirm_fields = pinned_runs(
+            (x.run_id for x in report.items if x.action == "would-requeue" and x.run_id is not None),
+            include_unverified="yes" if params.include_unverified else "",
+        )
+        return previewed
 
     def perform(self, context: ActionContext, params: RequeueParams) -> ActionReport:
         report = requeue.requeue(
@@ -416,7 +437,13 @@ class RunsCancel(Action):
         )
 
     def preview(self, context: ActionContext, params: CancelParams) -> ActionReport:
-        return self._report(self._cancel(context, params, dry_run=True))
+        report = self._cancel(context, params, dry_run=True)
+        previewed = self._report(report)
+        acting = (ControlOutcome.CANCELLED, ControlOutcome.STOP_REQUESTED)
+        previewed.confirm_fields = pinned_runs(
+            r.run_id for r in report.results if r.outcome in acting and r.run_id is not None
+        )
+        return previewed
 
     def perform(self, context: ActionContext, params: CancelParams) -> ActionReport:
         return self._report(self._cancel(context, params, dry_run=False))

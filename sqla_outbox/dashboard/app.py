@@ -626,7 +626,9 @@ class Pages:
             identity,
             action=action,
             report=report,
-            fields=fields,
+            # a pinned selection: confirming acts on exactly the runs previewed
+            fields=fields if report.confirm_fields is None else report.confirm_fields,
+            pinned=report.confirm_fields is not None,
             page="action",
         )
 

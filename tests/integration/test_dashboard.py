@@ -789,6 +789,65 @@ def test_cancel_a_filtered_set_from_the_run_list_and_refusals(
     assert {trail(engine, r)[0].worker_id for r in mine} == {"dashboard:bob"}
 
 
+def confirmation_form(page: str) -> dict[str, str]:
+    """The hidden fields of a confirmation page's form, as the browser submits them."""
+    form = re.search(r'<form[^>]*id="confirm".*?</form>', page, re.S)
+    assert form, "no confirmation form on the page"
+    return {
+        html.unescape(name): html.unescape(value)
+        for name, value in re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', form.group(0))
+    }
+
+
+def test_a_filtered_cancel_acts_on_exactly_the_runs_previewed(
+    app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
+) -> None:
+    """Runs that match the filters after the preview are not cancelled by its confirmation
+    (it once re-selected at confirmation: previewed 11, cancelled 16)."""
+    previewed = [dispatch(app, "charge_card", {}, tenant_id=5) for _ in range(3)]
+    with serve(dashboard_users=USERS, dashboard_actions=True) as client:
+        csrf = logged_in(client, BOB)
+        preview = client.post(
+            "/actions/runs-cancel/preview", data={"csrf_token": csrf, "task": "charge_card", "tenant": "5"}
+        )
+        assert preview.status_code == 200 and "3 run(s) would be cancelled" in preview.text
+        form = confirmation_form(preview.text)
+        later = [dispatch(app, "charge_card", {}, tenant_id=5) for _ in range(2)]
+        done = client.post("/actions/runs-cancel", data=form)
+        empty = client.post(
+            "/actions/runs-cancel/preview", data={"csrf_token": csrf, "task": "charge_card", "tenant": "8"}
+        )
+    assert done.status_code == 200 and "3 run(s) were cancelled" in done.text, done.text[:800]
+    assert {status_of(engine, r) for r in previewed} == {"cancelled"}
+    assert {status_of(engine, r) for r in later} == {"queued"}
+    assert "exactly the 3 run(s)" in preview.text
+    assert empty.status_code == 200 and 'id="nothing-to-confirm"' in empty.text
+    assert 'id="confirm"' not in empty.text
+
+
+def test_a_filtered_requeue_acts_on_exactly_the_runs_previewed(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    sqs: Any,
+    ops_settings: OutboxSettings,
+    serve: Callable[..., Any],
+) -> None:
+    previewed = failed_runs(app, engine, sqs, ops_settings, n=2)
+    with serve(dashboard_users=USERS, dashboard_actions=True) as client:
+        csrf = logged_in(client, ALICE)
+        preview = client.post(
+            "/actions/dlq-requeue/preview", data={"csrf_token": csrf, "task": "charge_card"}
+        )
+        assert preview.status_code == 200 and "would requeue 2, skipped 0" in preview.text
+        form = confirmation_form(preview.text)
+        assert set(form["run_id"].split(",")) == {str(r) for r in previewed}
+        [later] = failed_runs(app, engine, sqs, ops_settings)
+        done = client.post("/actions/dlq-requeue", data=form)
+    assert done.status_code == 200 and "requeued 2, skipped 0" in done.text, done.text[:800]
+    assert {status_of(engine, r) for r in previewed} == {"queued"}
+    assert status_of(engine, later) == "failed"
+
+
 def test_cancel_is_refused_without_actions_or_a_token(
     app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
 ) -> None:
