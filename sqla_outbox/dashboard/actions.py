@@ -100,11 +100,9 @@ class ActionReport:
         columns / rows: The table; untrusted text is escaped by the template.
         changed: How many things the action changed (0 for a preview).
         notes: Extra lines (missing queues, ...).
-        confirm_fields: A preview's pinned selection: the form fields the confirmation
-            submits instead of the submitted ones (``{"run_id": ["<id>,<id>"]}``), so that
-            confirming acts on exactly the runs previewed, never on what a filter matches
-            by then; ``{}`` when the preview selected nothing (nothing to confirm). None:
-            the confirmation resubmits the form as it was.
+        pinned: A preview's selection, which its confirmation acts on instead of the
+            submitted form (:class:`PinnedRuns`); None: the confirmation resubmits the form
+            as it was.
     """
 
     summary: str
@@ -112,17 +110,32 @@ class ActionReport:
     rows: Sequence[tuple[Cell, ...]] = dataclasses.field(default_factory=list)
     changed: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
-    confirm_fields: dict[str, list[str]] | None = None
+    pinned: PinnedRuns | None = None
 
 
-def pinned_runs(run_ids: Iterable[uuid.UUID], **kept: str) -> dict[str, list[str]]:
-    """:attr:`ActionReport.confirm_fields` for a preview that selected ``run_ids``: the ids
-    in one comma-separated ``run_id`` field (a form's field count is capped, its length is
-    not), plus ``kept`` fields (flags the action still needs); ``{}`` for no run."""
-    ids = list(dict.fromkeys(run_ids))
-    if not ids:
-        return {}
-    return {"run_id": [",".join(str(r) for r in ids)], **{k: [v] for k, v in kept.items() if v}}
+@dataclasses.dataclass(frozen=True)
+class PinnedRuns:
+    """The runs a preview selected, so that confirming acts on exactly those, never on what
+    a filter matches by then.
+
+    Attributes:
+        run_ids: The runs, in the preview's order; empty: nothing to confirm.
+        flags: Other form fields the action still needs (``include_unverified=yes``).
+    """
+
+    run_ids: tuple[uuid.UUID, ...]
+    flags: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, run_ids: Iterable[uuid.UUID | None], **flags: str) -> PinnedRuns:
+        """The distinct non-None ``run_ids``; ``flags`` with an empty value are dropped."""
+        ids = tuple(dict.fromkeys(r for r in run_ids if r is not None))
+        return cls(ids, {k: v for k, v in flags.items() if v})
+
+    def form_fields(self) -> dict[str, list[str]]:
+        """The confirmation's fields: the ids in one comma-separated ``run_id`` field (a
+        form's field count is capped by the parser, a field's length is not)."""
+        return {"run_id": [",".join(str(r) for r in self.run_ids)], **{k: [v] for k, v in self.flags.items()}}
 
 
 class Action(abc.ABC):
@@ -307,8 +320,8 @@ class DlqRequeue(Action):
             include_unverified=params.include_unverified,
         )
         previewed = self._report(report)
-        previewed.confirm_fields = pinned_runs(
-            (x.run_id for x in report.items if x.action == "would-requeue" and x.run_id is not None),
+        previewed.pinned = PinnedRuns.of(
+            (x.run_id for x in report.items if x.action == "would-requeue"),
             include_unverified="yes" if params.include_unverified else "",
         )
         return previewed
@@ -440,9 +453,7 @@ class RunsCancel(Action):
         report = self._cancel(context, params, dry_run=True)
         previewed = self._report(report)
         acting = (ControlOutcome.CANCELLED, ControlOutcome.STOP_REQUESTED)
-        previewed.confirm_fields = pinned_runs(
-            r.run_id for r in report.results if r.outcome in acting and r.run_id is not None
-        )
+        previewed.pinned = PinnedRuns.of(r.run_id for r in report.results if r.outcome in acting)
         return previewed
 
     def perform(self, context: ActionContext, params: CancelParams) -> ActionReport:

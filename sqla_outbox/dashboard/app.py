@@ -304,8 +304,7 @@ class Pages:
     async def runs_list(self, request: Request) -> Response:
         identity = self.auth.identity(request)
         size = views.RUNS_PAGE_SIZE
-        # Offered on every answer, the refused filter's too: the template reads it in both
-        # modes (a 400 with actions enabled once failed on it as an undefined name).
+        # on every answer, a refused filter's too: the template reads it in both modes
         list_actions = _offered(self.dashboard.actions.in_place("runs"), identity)
         try:
             query = views.runs_query(
@@ -626,9 +625,7 @@ class Pages:
             identity,
             action=action,
             report=report,
-            # a pinned selection: confirming acts on exactly the runs previewed
-            fields=fields if report.confirm_fields is None else report.confirm_fields,
-            pinned=report.confirm_fields is not None,
+            fields=fields if report.pinned is None else report.pinned.form_fields(),
             page="action",
         )
 
