@@ -33,7 +33,7 @@ from sqla_outbox import lazy
 
 # The submodule ``sqla_outbox.dispatch`` is imported here, before the ``dispatch()`` helper
 # below is defined: importing it later would replace the package attribute ``dispatch``.
-from sqla_outbox.dispatch import Dispatch, Group, Publish
+from sqla_outbox.dispatch import _MISSING, Dispatch, Group, Publish
 
 if TYPE_CHECKING:  # the other names are imported on first use (PEP 562), not at import
     from sqla_outbox import errors
@@ -129,7 +129,7 @@ def _resolved(item: Dispatch) -> uuid.UUID:
     return item.resolved_run_id
 
 
-def dispatch(session: Any, task: str, payload: JSONPayload = None, **options: Any) -> uuid.UUID:
+def dispatch(session: Any, task: str, payload: JSONPayload = _MISSING, **options: Any) -> uuid.UUID:
     """Add a :class:`Dispatch` and flush; return the run that will execute.
 
     Flushing resolves an idempotency key (or a caller-chosen ``run_id``) to an existing
@@ -139,7 +139,8 @@ def dispatch(session: Any, task: str, payload: JSONPayload = None, **options: An
 
     Args:
         session: A sync session with the listeners installed.
-        task, payload, **options: As for :class:`Dispatch` (``payload`` None means ``{}``).
+        task, payload, **options: As for :class:`Dispatch` (no ``payload`` means ``{}``;
+            ``None`` is delivered as ``None``, as ``Dispatch`` delivers it).
 
     Returns:
         The resolved run id.
@@ -150,13 +151,15 @@ def dispatch(session: Any, task: str, payload: JSONPayload = None, **options: An
         NotInstalled: The session has no sqla_outbox listeners.
     """
     _sync_only(session, "dispatch")
-    item = Dispatch(task, {} if payload is None else payload, **options)
+    item = Dispatch(task, payload, **options)
     session.add(item)
     session.flush()
     return _resolved(item)
 
 
-async def dispatch_async(session: Any, task: str, payload: JSONPayload = None, **options: Any) -> uuid.UUID:
+async def dispatch_async(
+    session: Any, task: str, payload: JSONPayload = _MISSING, **options: Any
+) -> uuid.UUID:
     """:func:`dispatch` for an ``AsyncSession`` (or ``async_scoped_session``): add, ``await``
     the flush, return the run that will execute.
 
@@ -165,13 +168,15 @@ async def dispatch_async(session: Any, task: str, payload: JSONPayload = None, *
         DispatchError, NotInstalled: As :func:`dispatch`.
     """
     _async_only(session, "dispatch")
-    item = Dispatch(task, {} if payload is None else payload, **options)
+    item = Dispatch(task, payload, **options)
     session.add(item)
     await session.flush()
     return _resolved(item)
 
 
-def publish(session: Any, event: str, payload: JSONPayload = None, **options: Any) -> dict[str, uuid.UUID]:
+def publish(
+    session: Any, event: str, payload: JSONPayload = _MISSING, **options: Any
+) -> dict[str, uuid.UUID]:
     """Add a :class:`Publish` and flush; return ``{subscriber task: run id}``.
 
     Raises:
@@ -179,14 +184,14 @@ def publish(session: Any, event: str, payload: JSONPayload = None, **options: An
         DispatchError: As :class:`Publish` and ``session.add`` raise it.
     """
     _sync_only(session, "publish")
-    item = Publish(event, {} if payload is None else payload, **options)
+    item = Publish(event, payload, **options)
     session.add(item)
     session.flush()
     return item.resolved_run_ids
 
 
 async def publish_async(
-    session: Any, event: str, payload: JSONPayload = None, **options: Any
+    session: Any, event: str, payload: JSONPayload = _MISSING, **options: Any
 ) -> dict[str, uuid.UUID]:
     """:func:`publish` for an ``AsyncSession``: add, ``await`` the flush, return
     ``{subscriber task: run id}``.
@@ -195,7 +200,7 @@ async def publish_async(
         TypeError: ``session`` is not an asyncio session.
     """
     _async_only(session, "publish")
-    item = Publish(event, {} if payload is None else payload, **options)
+    item = Publish(event, payload, **options)
     session.add(item)
     await session.flush()
     return item.resolved_run_ids

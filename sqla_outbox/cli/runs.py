@@ -87,7 +87,10 @@ def _render_run(detail: Any, with_tracebacks: bool) -> None:
             "lease",
             f"{text(run.lease_owner)} until {when(run.lease_expires_at)}" if run.lease_owner else "-",
         ),
-        ("last error", f"{run.last_error_type}: {run.last_error}" if run.last_error_type else "-"),
+        (
+            "earlier attempt's error" if run.status == "succeeded" else "last error",
+            f"{run.last_error_type}: {run.last_error}" if run.last_error_type else "-",
+        ),
         ("cancel requested", when(run.cancel_requested_at)),
         ("result", "-" if run.result is None else text(_shortened(json.dumps(run.result)))),
     ]
@@ -212,7 +215,7 @@ def runs_list_command(
                 str(r.attempts),
                 when(r.created_at),
                 format_age(r.age_seconds),
-                text(r.last_error_type),
+                text(r.standing_error_type),
             )
         console().print(shown)
 

@@ -62,6 +62,12 @@ class RunRecord:
     cancel_requested_at: dt.datetime | None = None
     result: Any = None
 
+    @property
+    def standing_error_type(self) -> str | None:
+        """``last_error_type`` while that error still describes the run: None once the run
+        has succeeded (its last error was an earlier attempt's, kept in the trail)."""
+        return None if self.status == "succeeded" else self.last_error_type
+
 
 @dataclasses.dataclass(frozen=True)
 class TrailEntry:

@@ -289,6 +289,38 @@ def test_runs_list_filters_and_runs_show(
     assert cli(env, "runs", "show", "not-a-uuid").returncode == 2
 
 
+def test_a_succeeded_run_lists_no_last_error(
+    app: sessionmaker[Session], engine: sa.Engine, env: dict[str, str]
+) -> None:
+    """A run that failed once and then succeeded keeps its last error for the record; the
+    list shows no error for it (it reads as a failure) and ``runs show`` names it an
+    earlier attempt's; a failed run's error is still listed."""
+    recovered = dispatch(app, "audit", {"n": 1})
+    broken = dispatch(app, "audit", {"n": 2})
+    for run_id, status in ((recovered, "succeeded"), (broken, "failed")):
+        execute(
+            engine,
+            "UPDATE task_runs SET status = :s, attempts = 2, last_error_type = 'GatewayTimeout', "
+            "last_error = 'upstream slow' WHERE run_id = :r",
+            s=status,
+            r=run_id,
+        )
+    listed = cli(env, "runs", "list", "--task", "audit")
+    assert listed.returncode == 0
+    lines = {
+        run_id: line
+        for line in listed.stdout.splitlines()
+        for run_id in (recovered, broken)
+        if str(run_id) in line
+    }
+    assert "GatewayTimeout" not in lines[recovered] and "succeeded" in lines[recovered]
+    assert "GatewayTimeout" in lines[broken]
+    shown = cli(env, "runs", "show", str(recovered))
+    assert "earlier attempt's error" in shown.stdout and "GatewayTimeout: upstream slow" in shown.stdout
+    assert "last error" not in cli(env, "runs", "show", str(recovered)).stdout
+    assert "last error" in cli(env, "runs", "show", str(broken)).stdout
+
+
 # --- dlq list and requeue ------------------------------------------------------------------
 
 

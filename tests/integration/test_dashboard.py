@@ -319,6 +319,30 @@ def test_run_page_shows_the_envelope_attempts_and_trail_and_hides_the_payload(
     assert 'id="payload"' in shown and SECRET in shown
 
 
+def test_a_succeeded_run_lists_no_error_and_names_its_earlier_one(
+    engine: sa.Engine, serve: Callable[..., Any]
+) -> None:
+    """A run that failed once and then succeeded: the Runs list shows no error for it (it
+    read as a failure); its page keeps the error, headed as an earlier attempt's."""
+    recovered, broken = uuid.uuid4(), uuid.uuid4()
+    for run_id, status in ((recovered, "succeeded"), (broken, "failed")):
+        execute(
+            engine,
+            "INSERT INTO task_runs (run_id, task, queue, status, attempts, available_at, last_error_type, "
+            "last_error) VALUES (:r, 'audit', 'default', :s, 2, clock_timestamp(), 'GatewayTimeout', 'slow')",
+            r=run_id,
+            s=status,
+        )
+    with serve() as client:
+        listed = client.get("/runs").text
+        recovered_page = client.get(f"/runs/{recovered}").text
+        broken_page = client.get(f"/runs/{broken}").text
+    rows = dict(re.findall(r'<tr data-run-id="([0-9a-f-]+)">(.*?)</tr>', listed, re.S))
+    assert "GatewayTimeout" not in rows[str(recovered)] and "GatewayTimeout" in rows[str(broken)]
+    assert "<h2>An earlier attempt's error</h2>" in recovered_page and "GatewayTimeout" in recovered_page
+    assert "<h2>Last error</h2>" in broken_page
+
+
 def test_untrusted_text_is_escaped_and_its_invisible_characters_shown(
     engine: sa.Engine, sqs: Any, queues: dict[str, str], serve: Callable[..., Any]
 ) -> None:

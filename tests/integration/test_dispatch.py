@@ -571,6 +571,22 @@ def test_dispatch_helper_returns_the_resolved_run(factory: sessionmaker[Session]
     assert set(fanned) == {"send_welcome", "index_user"}
 
 
+def test_the_helpers_deliver_the_payload_as_dispatch_does(
+    factory: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """``payload=None`` is delivered as ``None`` by ``Dispatch`` and by the helpers alike
+    (the helpers used to turn it into ``{}``); no payload at all means ``{}`` for both."""
+    with factory() as session, session.begin():
+        session.add(Dispatch("audit", None, idempotency_key="class-none"))
+        session.add(Dispatch("audit", idempotency_key="class-missing"))
+        sqla_outbox.dispatch(session, "audit", None, idempotency_key="helper-none")
+        sqla_outbox.dispatch(session, "audit", idempotency_key="helper-missing")
+    with engine.connect() as conn:
+        keys = dict(conn.execute(sa.text("SELECT run_id, idempotency_key FROM task_runs")).all())
+    delivered = {keys[r.run_id]: json.loads(r.envelope["payload"]) for r in outbox_rows(engine)}
+    assert delivered == {"class-none": None, "class-missing": {}, "helper-none": None, "helper-missing": {}}
+
+
 # --- bad input ----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("make", "error", "fragment"),
