@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # the other names are imported on first use (PEP 562), not at
     from sqla_outbox.results import RunResult, get_result, get_result_async
     from sqla_outbox.types import JSONPayload, QueueName, RunStatus
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # SemVer; the package version (pyproject.toml reads it); docs/releasing.md
 
 __all__ = [
     "Cancel",
