@@ -906,6 +906,13 @@ class OutboxSettings:
         return frozenset(c for c in channels if c != "valkey" or self.valkey_url)
 
     @property
+    def worker_queues_chosen(self) -> bool:
+        """True when ``worker_queues`` names queues of the operator's choice, False when it is
+        the default four (in any order): a default queue that no registered task uses is
+        expected then, and the worker does not warn about it."""
+        return set(self.worker_queues) != set(QUEUE_NAMES)
+
+    @property
     def wake_valkey_url(self) -> str | None:
         """``valkey_url`` when the Valkey wake is in force (:attr:`wake_channels`), else None."""
         return self.valkey_url if "valkey" in self.wake_channels else None

@@ -141,7 +141,9 @@ def check_handlers(settings: OutboxSettings) -> CheckResult:
     from sqla_outbox.worker.registry import registry
 
     try:
-        warnings = registry.preflight(settings, queues=settings.worker_queues)
+        warnings = registry.preflight(
+            settings, queues=settings.worker_queues, queues_chosen=settings.worker_queues_chosen
+        )
     except errors.ConfigurationError as exc:
         return CheckResult("handlers", False, str(exc))
     queues = ", ".join(settings.worker_queues)

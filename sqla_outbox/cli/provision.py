@@ -75,11 +75,13 @@ def provision_command(
                 f"catalog's ({', '.join(known)}): check the name",
                 option="SQLA_OUTBOX_QUEUE_VISIBILITY_TIMEOUTS",
             )
-        reports = provision(make_client(settings), settings, fix=fix, catalog=catalog)
+        client = make_client(settings)
+        reports = provision(client, settings, fix=fix, catalog=catalog)
         if as_json:
             print_json([dataclasses.asdict(r) for r in reports])
         else:
-            shown = table("SQS queues", ("queue", "SQS name", "kind", "action", "differences"))
+            where = "" if settings.sqs_endpoint_url else f" in {client.meta.region_name}"
+            shown = table(f"SQS queues{where}", ("queue", "SQS name", "kind", "action", "differences"))
             for r in reports:
                 diffs = "; ".join(
                     f"{k}: {v['actual']!r} → {v['expected']!r}" for k, v in r.differences.items()

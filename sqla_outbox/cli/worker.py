@@ -63,9 +63,17 @@ def worker_command(
         from sqla_outbox.logging import log_extra
         from sqla_outbox.worker.registry import registry
 
-        for warning in registry.preflight(settings, queues=settings.worker_queues):
-            logging.getLogger("sqla_outbox.worker").warning(
-                warning, extra=log_extra(action="worker.preflight")
+        chosen = settings.worker_queues_chosen
+        log = logging.getLogger("sqla_outbox.worker")
+        for warning in registry.preflight(settings, queues=settings.worker_queues, queues_chosen=chosen):
+            log.warning(warning, extra=log_extra(action="worker.preflight"))
+        unserved = registry.unserved_queues(settings.worker_queues)
+        if not chosen and unserved:
+            log.info(
+                "consuming the default queues; no registered task uses %s (a message there is "
+                "handed back to the outbox; --queues chooses the queues)",
+                ", ".join(unserved),
+                extra=log_extra(action="worker.preflight"),
             )
         assert signals is not None  # --check has returned
         worker = Worker(settings)

@@ -1,13 +1,15 @@
 """boto3 SQS client creation and queue-URL lookup.
 
-Credentials and region come from boto3's standard chain (environment, profile, instance
-role); ``settings.sqs_endpoint_url`` points at LocalStack or a moto server. When no region
-is configured but an endpoint URL is, ``us-east-1`` is assumed (local emulators ignore
+Credentials come from boto3's standard chain (environment, profile, instance role), the
+region from ``AWS_REGION`` first, then boto3's chain (:func:`aws_region`);
+``settings.sqs_endpoint_url`` points at LocalStack or a moto server. When no region is
+configured but an endpoint URL is, ``us-east-1`` is assumed (local emulators ignore
 it); against real AWS a missing region is an error.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -23,6 +25,21 @@ SQS_MAX_BATCH_ENTRIES = 10
 
 SQS_MAX_VISIBILITY_SECONDS = types.SQS_MAX_VISIBILITY_SECONDS
 """Largest visibility timeout SQS accepts: 12 hours (SQS quota; :mod:`sqla_outbox.types`)."""
+
+
+def aws_region(session: Any) -> str | None:
+    """The AWS region to use: ``AWS_REGION`` when set, else what boto3 resolves
+    (``AWS_DEFAULT_REGION``, then the profile's ``region`` in ``~/.aws/config``), else None.
+
+    The AWS SDKs and the AWS CLI v2 read ``AWS_REGION`` first (the AWS SDKs and Tools
+    reference guide, "AWS Region"); boto3 reads only ``AWS_DEFAULT_REGION`` and the profile,
+    so without this an exported ``AWS_REGION`` was ignored and queues landed in the
+    profile's region.
+
+    Args:
+        session: A ``boto3.session.Session``.
+    """
+    return os.environ.get("AWS_REGION", "").strip() or session.region_name
 
 
 def make_client(
@@ -44,11 +61,12 @@ def make_client(
         ConfigurationError: No region is configured for real AWS.
     """
     session = boto3.session.Session()
-    region = session.region_name
+    region = aws_region(session)
     if region is None:
         if settings.sqs_endpoint_url is None:
             raise errors.ConfigurationError(
-                "no AWS region configured; set AWS_REGION (or AWS_DEFAULT_REGION / a profile)",
+                "no AWS region configured; set AWS_REGION (or AWS_DEFAULT_REGION, or a region "
+                "in the AWS profile)",
                 option="AWS_REGION",
             )
         region = "us-east-1"

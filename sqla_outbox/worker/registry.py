@@ -356,15 +356,20 @@ class Registry:
         except KeyError:
             raise errors.HandlerNotFound(name) from None
 
-    def preflight(self, settings: OutboxSettings, *, queues: Iterable[str]) -> list[str]:
+    def preflight(
+        self, settings: OutboxSettings, *, queues: Iterable[str], queues_chosen: bool = True
+    ) -> list[str]:
         """Check that a worker with these registrations can serve ``queues``.
 
         Args:
             settings: The worker's settings (``max_receive_count``, ``worker_max_receives``).
             queues: The logical queues the worker will consume.
+            queues_chosen: The operator named ``queues`` (``--queues``); False when they are
+                the default four, where a queue no task uses is expected (see
+                :meth:`unserved_queues`) and not warned about.
 
         Returns:
-            Warnings: a consumed queue no registered task routes to (any message on it
+            Warnings: a chosen queue no registered task routes to (any message on it
             would be handed back to the outbox, never run); a task's or the worker's
             ``max_receives`` not below the ``max_receive_count`` setting (SQS would move
             messages to the DLQ before the worker records a verdict). The worker refuses
@@ -418,12 +423,19 @@ class Registry:
                 f"tasks {', '.join(limited)} declare rate limits, concurrency caps or breakers, but no "
                 "valkey_url is set: each worker process enforces them on its own, not across the fleet"
             )
-        served = {d.queue for d in self.tasks.values()}
+        if not queues_chosen:
+            return warnings
         return warnings + [
             f"no registered task uses queue {queue!r}: this worker would hand its messages back to the outbox"
-            for queue in queues
-            if queue not in served
+            for queue in self.unserved_queues(queues)
         ]
+
+    def unserved_queues(self, queues: Iterable[str]) -> list[str]:
+        """The queues of ``queues`` (in order) that no registered task routes to: a message
+        there is handed back to the outbox, never run, until a worker with its task takes it
+        (as in a rolling deploy)."""
+        served = {d.queue for d in self.tasks.values()}
+        return [queue for queue in queues if queue not in served]
 
     def catalog(self) -> Catalog:
         """The catalog these registrations describe (events from ``subscribes``)."""

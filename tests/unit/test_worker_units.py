@@ -190,6 +190,27 @@ def test_preflight_refuses_a_worker_without_handlers_and_warns_of_dead_lettering
     assert registry.preflight(settings.replace(max_receive_count=11), queues=("critical", "default")) == []
 
 
+def test_a_worker_on_the_default_queues_does_not_warn_of_the_ones_its_tasks_leave_unused() -> None:
+    """The documented worker command consumes the default four queues; an application
+    whose tasks use one of them is not warned about the other three (a queue the operator
+    named is still warned about)."""
+    from sqla_outbox.config import OutboxSettings
+
+    defaults = OutboxSettings()
+    chosen = defaults.replace(worker_queues=("default", "bulk"))
+    assert (defaults.worker_queues_chosen, chosen.worker_queues_chosen) == (False, True)
+    assert (
+        defaults.replace(worker_queues=tuple(reversed(defaults.worker_queues))).worker_queues_chosen is False
+    )
+    registry = Registry.with_builtins()
+    registry.task("send_welcome", queue="default")(lambda payload: None)
+    assert registry.unserved_queues(defaults.worker_queues) == ["critical", "bulk"]
+    assert registry.preflight(defaults, queues=defaults.worker_queues, queues_chosen=False) == []
+    assert registry.preflight(chosen, queues=chosen.worker_queues, queues_chosen=True) == [
+        "no registered task uses queue 'bulk': this worker would hand its messages back to the outbox"
+    ]
+
+
 @pytest.mark.parametrize("delay", ["30", None, True, -1, 43_201, float("nan")])
 def test_retry_with_a_bad_delay_says_what_is_wrong(delay: object) -> None:
     with pytest.raises(errors.ConfigurationError, match=r"Retry\.delay_seconds"):
