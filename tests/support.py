@@ -731,3 +731,38 @@ def csrf_token(html: str) -> str:
     match = re.search(r'<meta name="csrf-token" content="([^"]+)">', html)
     assert match, "no CSRF token in the page"
     return match.group(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class WheelEnvironment:
+    """A fresh virtualenv with sqla_outbox installed from a wheel built from this checkout.
+
+    ``python`` is its interpreter; ``dependencies`` the test environment's site-packages, to
+    put on ``PYTHONPATH`` (the wheel is installed with ``--no-deps``: no network, and the
+    dependencies are the ones the suite runs on). An editable install of this checkout in
+    that folder is not picked up from ``PYTHONPATH`` (its ``.pth`` hook only runs in a site
+    directory), so ``import sqla_outbox`` finds the wheel's copy.
+    """
+
+    python: str
+    bin: Path
+    dependencies: str
+
+
+def wheel_environment(folder: Path) -> WheelEnvironment:
+    """Build the wheel (``build --no-isolation``) and install it in ``folder/venv``."""
+    root = Path(__file__).resolve().parents[1]
+    dist = folder / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(root)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    [wheel] = dist.glob("*.whl")
+    venv = folder / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    subprocess.run([python, "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True, timeout=300)
+    deps = next(p for p in sys.path if p.endswith("site-packages"))
+    return WheelEnvironment(python=python, bin=venv / "bin", dependencies=deps)

@@ -318,20 +318,10 @@ def test_a_data_migration_that_dispatches_works_offline_and_across_a_downgrade_u
 
 
 def test_migrations_work_from_an_installed_wheel(empty_db: str, tmp_path: Path) -> None:
-    dist = tmp_path / "dist"
-    subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(ROOT)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    [wheel] = dist.glob("*.whl")
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    fresh = str(venv / "bin" / "python")
-    subprocess.run([fresh, "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True, timeout=300)
+    wheel = support.wheel_environment(tmp_path)
+    fresh, venv = wheel.python, tmp_path / "venv"
     # dependencies come from the test environment; sqla_outbox itself only from the wheel
-    deps = next(p for p in sys.path if p.endswith("site-packages"))
+    deps = wheel.dependencies
     app = tmp_path / "app"
     shutil.copytree(ROOT / "examples", app / "examples", ignore=shutil.ignore_patterns("__pycache__"))
     where = subprocess.run(
