@@ -176,7 +176,9 @@ def dlq_requeue_command(
 
     Only runs whose status is `failed` are requeued; others are reported as skipped
     with the reason. --task, --queue and --older-than match the run's own row, never
-    the DLQ message's attributes. The run's outbox row is sent again; a purged row is
+    the DLQ message's attributes, and select every dead-lettered run the database
+    knows: one whose DLQ message another reader holds is requeued from its outbox row.
+    The run's outbox row is sent again; a purged row is
     rebuilt from a DLQ body only when its signature verifies (SQLA_OUTBOX_SIGNING_KEYS),
     or, without keys, with --trust-dlq-body. Messages the worker refused unexecuted,
     unsigned or badly signed ones (with keys), unverified copies (without keys, unless
@@ -219,7 +221,10 @@ def dlq_requeue_command(
         if as_json:
             document = jsonable(report)
             document.update(
-                requeued=report.requeued, skipped=report.skipped, rebuilt_unchecked=report.rebuilt_unchecked
+                requeued=report.requeued,
+                skipped=report.skipped,
+                rebuilt_unchecked=report.rebuilt_unchecked,
+                unreachable=report.unreachable,
             )
             print_json(document)
         else:
@@ -256,6 +261,12 @@ def _render_requeue(report: Any) -> None:
     if report.requeued and not report.dry_run:  # the note is about the runs just requeued
         wake = " (relay woken)" if report.woke else " (the relay's sweep will send them)"
     out.print(f"{verb} {report.requeued}, skipped {report.skipped}{wake}")
+    if report.not_received:
+        out.print(
+            f"{report.not_received} of the matching dead-lettered runs had no DLQ message among those "
+            "received (another reader holds them for up to their visibility timeout, or they are gone): "
+            f"taken from the database; {report.unreachable} could not be (no outbox row to send again)"
+        )
     if report.rebuilt_unchecked:
         out.print(
             styled(

@@ -406,6 +406,8 @@ class Pages:
             older_than=query.older_than,
             known=self.dashboard.queue_names,
         )
+        if query.values["messages"] != "yes":
+            return await self._ledger_page(request, identity, query, filters)
         sqs_error = None
         listing = None
         run_errors: dict[uuid.UUID, queries.RunError] = {}
@@ -451,6 +453,65 @@ class Pages:
             error=None,
             action=self.dashboard.actions.get("dlq-requeue"),
             include_unverified=include_unverified and not self.settings.signing_keys,
+            signing=bool(self.settings.signing_keys),
+        )
+
+    async def _ledger_page(
+        self,
+        request: Request,
+        identity: Any,
+        query: views.DlqQuery,
+        filters: dlq.DeadLetterFilter,
+    ) -> Response:
+        """The DLQ page from the ledger: the dead-lettered runs (``task_runs``), grouped by
+        queue, task and error type, beside each DLQ's depth as SQS counts it. Nothing is
+        received, so every reader sees the same page and no requeue misses what a page load
+        hid (receiving hides a message from every other reader: SQS ReceiveMessage)."""
+        if identity.tenants is not None:
+            filters = dataclasses.replace(filters, tenant_ids=identity.tenants)
+
+        def read(connection: Connection) -> tuple[list[dlq.LedgerLetter], list[dlq.LedgerGroup]]:
+            return (
+                dlq.dead_lettered_runs(connection, filters, limit=DLQ_LIST_LIMIT),
+                dlq.dead_lettered_groups(connection, filters),
+            )
+
+        letters, groups = await run_in_threadpool(self.dashboard.read, read)
+        depths: dict[str, int | None] = {}
+        sqs_error = None
+        try:
+            sqs = await run_in_threadpool(self.dashboard.sqs)
+            depths = await run_in_threadpool(dlq.dlq_depths, sqs, self.settings, filters.scanned_queues())
+        except Exception as exc:  # SQS (or its configuration): shown on the page
+            from sqla_outbox.sqs.client import error_code
+
+            first = next((line for line in str(exc).splitlines() if line.strip()), "")
+            sqs_error = redact_url(f"{error_code(exc)}: {first}"[:400])
+        in_ledger: dict[str, int] = {}
+        for group in groups:
+            in_ledger[group.queue] = in_ledger.get(group.queue, 0) + group.runs
+        unfiltered = not (query.tasks or query.older_than or identity.tenants is not None)
+        return self.render(
+            request,
+            "dlq_ledger.html",
+            identity,
+            values=query.values,
+            letters=letters,
+            groups=groups,
+            total=sum(in_ledger.values()),
+            depths=[
+                (queue, depth, in_ledger.get(queue, 0))
+                for queue, depth in (
+                    depths.items() if depths else ((q, None) for q in filters.scanned_queues())
+                )
+            ],
+            compare_depths=unfiltered,
+            truncated=len(letters) >= DLQ_LIST_LIMIT,
+            sqs_error=sqs_error,
+            error=None,
+            action=self.dashboard.actions.get("dlq-requeue"),
+            include_unverified=query.values.get("include_unverified") == "yes"
+            and not self.settings.signing_keys,
             signing=bool(self.settings.signing_keys),
         )
 

@@ -123,14 +123,19 @@ class DlqQuery:
 
 def dlq_query(params: Mapping[str, str], *, queues: Sequence[str] = QUEUE_NAMES) -> DlqQuery:
     """The DLQ page's filters: ``queue`` (one of ``queues``: the four, plus declared ones),
-    ``task``, ``older_than`` (``10m``, ``2h``, ``7d``), and ``include_unverified=yes`` (offer
-    requeues of copies nothing vouches for too).
+    ``task``, ``older_than`` (``10m``, ``2h``, ``7d``), ``include_unverified=yes`` (offer
+    requeues of copies nothing vouches for too) and ``messages=yes`` (read the DLQ messages
+    themselves, which receives them, instead of the ledger's dead-lettered runs).
 
     Raises:
         FilterError: A parameter is invalid.
     """
-    values = {k: params.get(k, "").strip() for k in ("queue", "task", "older_than", "include_unverified")}
+    values = {
+        k: params.get(k, "").strip()
+        for k in ("queue", "task", "older_than", "include_unverified", "messages")
+    }
     values["include_unverified"] = "yes" if values["include_unverified"] == "yes" else ""
+    values["messages"] = "yes" if values["messages"] == "yes" else ""
     _storable(values)
     if values["queue"] and values["queue"] not in queues:
         raise FilterError(f"queue: {values['queue']!r} is not one of {', '.join(queues)}")

@@ -616,3 +616,147 @@ def list_dead_letters(
             continue
         listing.letters.extend(letters)
     return finish(listing, filters, connection=connection, limit=limit, max_bytes=settings.max_message_bytes)
+
+
+# --- the ledger's view: dead-lettered runs, read without receiving anything ----------------
+@dataclasses.dataclass(frozen=True)
+class LedgerLetter:
+    """A run the ledger says a worker dead-lettered: its ``task_runs`` row is ``failed``
+    with ``dead_lettered_at`` set. Read from the database only, so two operators reading
+    at once see the same list (receiving from a DLQ hides each message from every other
+    reader for its visibility timeout: SQS ReceiveMessage).
+
+    Attributes:
+        run_id, task, queue, tenant_id, attempts: The run's row.
+        error_type / error: The run's last error (``last_error_type``, ``last_error``).
+        dead_lettered_at: When the worker dead-lettered it (UTC).
+        age_seconds: Now minus ``dead_lettered_at`` (database clock), seconds.
+    """
+
+    run_id: uuid.UUID
+    task: str
+    queue: str
+    tenant_id: int | None
+    attempts: int
+    error_type: str | None
+    error: str | None
+    dead_lettered_at: dt.datetime
+    age_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerGroup:
+    """Dead-lettered runs of one queue, task and error type: how many, and the oldest's age
+    (seconds)."""
+
+    queue: str
+    task: str
+    error_type: str | None
+    runs: int
+    oldest_age_seconds: float
+
+
+def _ledger_where(filters: DeadLetterFilter) -> tuple[str, dict[str, Any]]:
+    """The WHERE clause selecting the dead-lettered runs ``filters`` match (the run's own
+    task, queue, tenant and failure time, as a requeue matches them)."""
+    clauses = ["r.status = 'failed'", "r.dead_lettered_at IS NOT NULL", "r.queue = ANY(:queues)"]
+    params: dict[str, Any] = {"queues": list(filters.scanned_queues())}
+    if filters.tasks:
+        clauses.append("r.task = ANY(:tasks)")
+        params["tasks"] = list(filters.tasks)
+    if filters.run_ids:
+        clauses.append("r.run_id = ANY(CAST(:run_ids AS uuid[]))")
+        params["run_ids"] = [str(r) for r in sorted(filters.run_ids)]
+    if filters.tenant_ids is not None:
+        clauses.append("r.tenant_id = ANY(:tenant_ids)")
+        params["tenant_ids"] = sorted(filters.tenant_ids)
+    if filters.older_than is not None:
+        clauses.append("r.finished_at <= clock_timestamp() - make_interval(secs => :older_than)")
+        params["older_than"] = filters.older_than.total_seconds()
+    return " AND ".join(clauses), params
+
+
+def dead_lettered_runs(
+    connection: Connection, filters: DeadLetterFilter, *, limit: int | None = None
+) -> list[LedgerLetter]:
+    """The dead-lettered runs ``filters`` match, oldest first, from ``task_runs`` alone.
+
+    A DLQ message that no worker verdict put there (moved by the SQS redrive policy after
+    ``maxReceiveCount`` receives, or sent by hand) has no such row: compare the DLQ's
+    depth (:func:`dlq_depths`) to see how many there are.
+
+    Args:
+        connection: Any connection (reads only).
+        filters: ``queues``, ``tasks``, ``run_ids``, ``tenant_ids``, ``older_than`` (how
+            long ago the run failed).
+        limit: Most runs returned; None for all.
+    """
+    where, params = _ledger_where(filters)
+    statement = (
+        "SELECT r.run_id, r.task, r.queue, r.tenant_id, r.attempts, r.last_error_type, r.last_error, "
+        "r.dead_lettered_at, EXTRACT(EPOCH FROM clock_timestamp() - r.dead_lettered_at)::float8 AS age "
+        f"FROM task_runs AS r WHERE {where} ORDER BY r.dead_lettered_at, r.run_id"
+        + (" LIMIT :limit" if limit is not None else "")
+    )
+    if limit is not None:
+        params["limit"] = limit
+    return [
+        LedgerLetter(
+            run_id=row.run_id,
+            task=str(row.task),
+            queue=str(row.queue),
+            tenant_id=row.tenant_id,
+            attempts=int(row.attempts),
+            error_type=row.last_error_type,
+            error=row.last_error,
+            dead_lettered_at=row.dead_lettered_at,
+            age_seconds=max(0.0, float(row.age)),
+        )
+        for row in connection.execute(text(statement), params)
+    ]
+
+
+def dead_lettered_groups(connection: Connection, filters: DeadLetterFilter) -> list[LedgerGroup]:
+    """The dead-lettered runs ``filters`` match, counted by queue, task and error type
+    (largest groups first)."""
+    where, params = _ledger_where(filters)
+    statement = (
+        "SELECT r.queue, r.task, r.last_error_type, count(*) AS runs, "
+        "EXTRACT(EPOCH FROM clock_timestamp() - min(r.dead_lettered_at))::float8 AS oldest "
+        f"FROM task_runs AS r WHERE {where} GROUP BY r.queue, r.task, r.last_error_type "
+        "ORDER BY runs DESC, r.queue, r.task, r.last_error_type NULLS FIRST"
+    )
+    return [
+        LedgerGroup(
+            str(row.queue), str(row.task), row.last_error_type, int(row.runs), max(0.0, float(row.oldest))
+        )
+        for row in connection.execute(text(statement), params)
+    ]
+
+
+def dlq_depths(client: Any, settings: OutboxSettings, queues: Sequence[str]) -> dict[str, int | None]:
+    """Each DLQ's message count as SQS reports it (``ApproximateNumberOfMessages`` plus
+    ``ApproximateNumberOfMessagesNotVisible``, from GetQueueAttributes: nothing is
+    received, so no reader's view changes). Approximate (SQS). None for a DLQ that does not
+    exist.
+
+    Raises:
+        botocore.exceptions.ClientError: SQS failed otherwise.
+    """
+    directory = QueueDirectory(client, settings)
+    depths: dict[str, int | None] = {}
+    for queue in queues:
+        try:
+            attributes = client.get_queue_attributes(
+                QueueUrl=directory.dlq_url(queue),
+                AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+            )["Attributes"]
+        except Exception as exc:
+            if not is_missing_queue(exc):
+                raise
+            depths[queue] = None
+            continue
+        depths[queue] = int(attributes.get("ApproximateNumberOfMessages", 0)) + int(
+            attributes.get("ApproximateNumberOfMessagesNotVisible", 0)
+        )
+    return depths

@@ -70,6 +70,16 @@ hand) or not usable: when no usable DLQ message is found for a requested run, it
 requeued from the database alone, which needs its outbox row (there is no other copy of
 the payload).
 
+A requeue **by filters** selects what the ledger says: the dead-lettered runs
+(``failed`` with ``dead_lettered_at``) that match, not only the messages this scan
+happened to receive. Receiving a message hides it from every other reader for its
+visibility timeout (SQS ReceiveMessage), so while a colleague's ``dlq list`` or DLQ page
+holds some, a scan sees only the rest. Each matching run whose message was not received
+(:attr:`RequeueReport.not_received`) is requeued from the database alone, as with
+``--run-id`` (trail ``detail.dlq_message = "not-received"``); the ones that cannot be
+(their outbox row was purged) are counted as :attr:`RequeueReport.unreachable`. Their
+DLQ copies stay; a later requeue finds their runs no longer ``failed`` and leaves them.
+
 ``--dry-run`` runs exactly the same statements and rolls each transaction back, so it
 reports what the guardrails would decide (including the unique index); it wakes nothing
 and deletes nothing, and every DLQ message becomes visible again.
@@ -105,6 +115,7 @@ from sqla_outbox.ops.dlq import (
     DeadLetterFilter,
     DeadLetterScan,
     Received,
+    dead_lettered_runs,
     resolve,
 )
 from sqla_outbox.sqs.client import QueueDirectory, is_missing_queue
@@ -242,12 +253,24 @@ class RequeueReport:
         dry_run: Nothing was changed. items: One per run (or foreign message), in the
             order found. woke: At least one wake LPUSH succeeded, or requeues NOTIFYed the relay.
         missing_queues: DLQs that do not exist.
+        not_received: A requeue by filters selects the ledger's dead-lettered runs
+            (:func:`sqla_outbox.ops.dlq.dead_lettered_runs`): this many of them had no DLQ
+            message among those received (another reader held them, or they are gone), and
+            were requeued from the database alone, as ``--run-id`` does (``source``
+            ``database``; :attr:`unreachable` counts those that could not be).
     """
 
     dry_run: bool
     items: list[RequeueItem] = dataclasses.field(default_factory=list)
     woke: bool = False
     missing_queues: list[str] = dataclasses.field(default_factory=list)
+    not_received: int = 0
+
+    @property
+    def unreachable(self) -> int:
+        """Runs selected from the database (``--run-id``, or the ledger's dead-lettered
+        runs whose DLQ message was not received) that could not be requeued."""
+        return sum(1 for item in self.items if item.source == "database" and item.action == SKIPPED)
 
     @property
     def requeued(self) -> int:
@@ -591,8 +614,17 @@ def requeue(
             if not is_missing_queue(exc):
                 raise
             report.missing_queues.append(settings.dlq_url_name(queue))
+    wanted = set(filters.run_ids)
+    if not filters.run_ids and queues:
+        # the ledger's dead-lettered runs this scan did not reach: another reader holds their
+        # messages (receiving hides a message from every other reader), or they are gone
+        with engine.connect() as connection:
+            ledger = dead_lettered_runs(connection, dataclasses.replace(filters, queues=queues))
+        seen = by_run.keys() | {item.run_id for item in report.items if item.run_id is not None}
+        wanted = {x.run_id for x in ledger} - seen  # a run whose copy was received is decided by it
+        report.not_received = len(wanted)
     woke_for_database = False
-    for run_id in sorted(filters.run_ids - by_run.keys()):
+    for run_id in sorted(wanted - by_run.keys()):
         item = _requeue_one(
             engine,
             run_id,
@@ -600,7 +632,7 @@ def requeue(
             dry_run=dry_run,
             rebuild=None,
             source="database",
-            trail_detail={},
+            trail_detail={} if filters.run_ids else {"dlq_message": "not-received"},
             filters=filters,
             operator=operator,
         )

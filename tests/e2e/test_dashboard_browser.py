@@ -181,7 +181,7 @@ def test_an_operator_watches_runs_flow_then_requeues_a_failed_run_that_succeeds(
 
         # the DLQ page lists it with its reason and error; requeue it, after confirming
         page.click("nav >> text=DLQ")
-        letter = page.locator(f'#dead-letters tr[data-run-id="{failing}"]')
+        letter = page.locator(f'#dead-lettered-runs tr[data-run-id="{failing}"]')
         letter.wait_for()
         assert "permanent-error" in letter.inner_text() and "order service" in letter.inner_text()
         screenshot(page, "dlq")
@@ -369,7 +369,7 @@ def test_without_the_token_or_the_csrf_token_the_browser_changes_nothing(
             page = browser.new_page()
             sign_in(page, base, "mallory")
             page.goto(base + "/dlq")
-            row = page.locator(f'#dead-letters tr[data-run-id="{run_id}"]')
+            row = page.locator(f'#dead-lettered-runs tr[data-run-id="{run_id}"]')
             row.wait_for()
             page.evaluate("document.querySelectorAll('input[name=csrf_token]').forEach(e => e.remove())")
             row.locator('button[data-action="dlq-requeue"]').click()

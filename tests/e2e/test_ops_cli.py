@@ -391,8 +391,11 @@ def test_dlq_requeue_guardrails_dry_run_and_json_shape(
         "requeued",
         "skipped",
         "rebuilt_unchecked",
+        "not_received",
+        "unreachable",
     }
     assert (dry["dry_run"], dry["requeued"], dry["skipped"], dry["woke"]) == (True, 1, 2, False)
+    assert (dry["not_received"], dry["unreachable"]) == (0, 0)
     items = {i["run_id"]: i for i in dry["items"]}
     assert set(items[str(fixable)]) == {
         "run_id",

@@ -378,7 +378,7 @@ def test_untrusted_text_is_escaped_and_its_invisible_characters_shown(
         pages = [
             client.get("/runs").text,
             client.get(f"/runs/{run_id}").text,
-            client.get("/dlq").text,
+            client.get("/dlq", params={"messages": "yes"}).text,
             client.get("/runs", params={"task": hostile_task}).text,
         ]
     for page in pages:
@@ -400,9 +400,9 @@ def test_dlq_page_lists_messages_with_reason_and_error_and_leaves_them_in_the_qu
 ) -> None:
     run_ids = failed_runs(app, engine, sqs, ops_settings, n=2)
     with serve() as client:
-        page = client.get("/dlq").text
-        filtered = client.get("/dlq", params={"queue": "bulk"}).text
-        bad = client.get("/dlq", params={"older_than": "soon"})
+        page = client.get("/dlq", params={"messages": "yes"}).text
+        filtered = client.get("/dlq", params={"messages": "yes", "queue": "bulk"}).text
+        bad = client.get("/dlq", params={"messages": "yes", "older_than": "soon"})
     rows = cells(page, "data-run-id")
     assert set(rows) == {str(r) for r in run_ids}
     for text in rows.values():
@@ -413,6 +413,44 @@ def test_dlq_page_lists_messages_with_reason_and_error_and_leaves_them_in_the_qu
     assert cells(filtered, "data-run-id") == {}
     assert bad.status_code == 400 and "is not a duration" in bad.text
     assert len(receive_all(sqs, queues["critical-dlq"], expect=2, timeout=10)) == 2  # nothing deleted
+
+
+def test_the_dlq_page_lists_the_ledger_so_two_readers_see_the_same(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    sqs: Any,
+    ops_settings: OutboxSettings,
+    queues: dict[str, str],
+    serve: Callable[..., Any],
+) -> None:
+    """Reading a DLQ receives its messages and hides them from every other reader: two
+    people looking at the DLQ saw about half of it each. The page lists the dead-lettered
+    runs from the database, grouped by task and error with totals, beside each DLQ's depth
+    as SQS counts it, and receives nothing; the messages view still shows only what it
+    could receive."""
+    run_ids = failed_runs(app, engine, sqs, ops_settings, n=4)
+    held = sqs.receive_message(QueueUrl=queues["critical-dlq"], MaxNumberOfMessages=2, VisibilityTimeout=600)
+    assert len(held["Messages"]) == 2  # a colleague's read, holding half of them
+    sqs.send_message(QueueUrl=queues["critical-dlq"], MessageBody="{}")  # no worker verdict
+    with serve(dashboard_users=USERS, dashboard_actions=True) as client:
+        logged_in(client, ALICE)
+        first, second = client.get("/dlq").text, client.get("/dlq").text
+        by_task = client.get("/dlq", params={"task": "audit"}).text
+        messages = client.get("/dlq", params={"messages": "yes"}).text
+    for page in (first, second):
+        assert set(cells(page, "data-run-id")) == {str(r) for r in run_ids}
+        assert 'id="ledger-total">4 dead-lettered runs<' in page
+        [group] = cells(page, "data-task").values()
+        assert group.split() == ["critical", "charge_card", "ValueError", "4"] + group.split()[4:]
+        depth = cells(page, "data-queue")["critical"]
+        assert depth.startswith("critical 5 4 1 message no worker verdict explains")
+        assert 'data-action="dlq-requeue"' in page and 'id="requeue-matching"' in page
+        assert SECRET not in page
+    assert cells(by_task, "data-run-id") == {} and "No dead-lettered run matches." in by_task
+    assert len([k for k in cells(messages, "data-run-id") if k in {str(r) for r in run_ids}]) == 2
+    # the ledger's pages received nothing: the messages the colleague does not hold are all visible
+    visible = receive_all(sqs, queues["critical-dlq"], expect=3, timeout=10)
+    assert len(visible) == 3
 
 
 def test_schedules_page_shows_each_schedules_latest_and_next_slot(
@@ -530,7 +568,7 @@ def test_requeue_from_the_dashboard_confirms_then_requeues_and_records_the_opera
     run_id, other = failed_runs(app, engine, sqs, ops_settings, n=2)
     with serve(dashboard_users=USERS, dashboard_actions=True) as client:
         csrf = logged_in(client, ALICE)
-        dlq_page = client.get("/dlq").text
+        dlq_page = client.get("/dlq", params={"messages": "yes"}).text
         assert dlq_page.count('data-action="dlq-requeue"') == 3  # one per row, and "matching these filters"
 
         preview = client.post(

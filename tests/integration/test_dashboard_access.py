@@ -159,7 +159,7 @@ def test_a_viewer_reads_without_payloads_and_never_acts(
         assert 'id="payload-hidden"' in page and SECRET not in page
         assert (
             'data-action="dlq-requeue"' not in page
-            and 'data-action="dlq-requeue"' not in client.get("/dlq").text
+            and 'data-action="dlq-requeue"' not in client.get("/dlq", params={"messages": "yes"}).text
         )
         refused = client.post(
             "/actions/dlq-requeue", data={"csrf_token": csrf, "run_id": str(run_id), "confirmed": "yes"}
@@ -197,7 +197,12 @@ def test_an_operator_restricted_to_a_tenant_sees_and_acts_on_that_tenants_runs_o
         assert client.get(f"/runs/{theirs}").status_code == 404
         assert client.get(f"/runs/{platform}").status_code == 404
         assert client.get("/controls").status_code == 403 and client.get("/schedules").status_code == 403
-        assert set(cells(client.get("/dlq").text, "data-run-id")) == {str(mine)}
+        assert set(cells(client.get("/dlq", params={"messages": "yes"}).text, "data-run-id")) == {str(mine)}
+        ledger = client.get("/dlq").text  # the ledger's view: only their tenant's runs and counts
+        assert (
+            set(cells(ledger, "data-run-id")) == {str(mine)}
+            and 'id="ledger-total">1 dead-lettered run<' in ledger
+        )
         every = client.post(  # "every failed run": only tenant 3's
             "/actions/dlq-requeue", data={"csrf_token": csrf, "all": "yes", "confirmed": "yes"}
         )
@@ -333,16 +338,18 @@ def test_the_dlq_page_shows_origins_and_its_filtered_requeue_reads_each_runs_row
     )
     with serve(dashboard_users=USERS, dashboard_actions=True) as client:
         csrf = logged_in(client, ALICE)
-        page = client.get("/dlq").text
+        page = client.get("/dlq", params={"messages": "yes"}).text
         origins = re.findall(r'<td class="origin-(\w+)">', page)
         assert sorted(origins) == ["ledger", "unverified"]
         assert "claims task audit" in page
         assert page.count('data-action="dlq-requeue"') == 2  # the ledger copy's button, and "matching"
-        assert cells(client.get("/dlq", params={"task": "audit"}).text, "data-run-id") == {}
+        assert (
+            cells(client.get("/dlq", params={"messages": "yes", "task": "audit"}).text, "data-run-id") == {}
+        )
         audit = client.post(
             "/actions/dlq-requeue", data={"csrf_token": csrf, "task": "audit", "confirmed": "yes"}
         )
         assert "no dead-lettered run matches" in audit.text and status_of(engine, charge) == "failed"
-        opted = client.get("/dlq", params={"include_unverified": "yes"}).text
+        opted = client.get("/dlq", params={"messages": "yes", "include_unverified": "yes"}).text
         assert opted.count('data-action="dlq-requeue"') == 3  # the unverified copy too, on request
     assert len(receive_all(sqs, queues["critical-dlq"], expect=2, timeout=10)) == 2

@@ -680,6 +680,55 @@ def test_run_id_requeues_from_the_database_when_the_dlq_message_is_gone(
     assert run_row(engine, purged_row).status == "failed" and outbox_row(engine, purged_row) is None
 
 
+def test_a_filtered_requeue_reaches_the_runs_whose_messages_another_reader_holds(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    ops_settings: OutboxSettings,
+    sqs: Any,
+    queues: dict[str, str],
+    relay: Relay,
+    waker: Waker,
+) -> None:
+    """A colleague's DLQ page received some messages (hidden from every other reader for
+    their visibility timeout): a filtered requeue meanwhile requeued only the rest, and
+    reported "requeued 52, skipped 0" for 117. It selects the ledger's dead-lettered runs:
+    the held ones are requeued from their outbox rows; one whose row was purged is
+    counted as unreachable; the ledger lists and counts all of them without receiving."""
+    run_ids = [dispatch(app, "audit", {"n": n}) for n in range(6)]
+    relay.run_once()
+    fail_into_dlq(engine, sqs, ops_settings, "default", set(run_ids))
+    matching = dlq.DeadLetterFilter(tasks=("audit",))
+    with engine.connect() as conn:
+        listed = dlq.dead_lettered_runs(conn, matching)
+        [group] = dlq.dead_lettered_groups(conn, matching)
+    assert sorted(x.run_id for x in listed) == sorted(run_ids)
+    assert (group.queue, group.task, group.error_type, group.runs) == ("default", "audit", "ValueError", 6)
+    assert dlq.dlq_depths(sqs, ops_settings, ["default", "bulk"]) == {"default": 6, "bulk": 0}
+    held = sqs.receive_message(
+        QueueUrl=queues["default-dlq"],
+        MaxNumberOfMessages=3,
+        VisibilityTimeout=600,
+        MessageAttributeNames=["All"],
+    )["Messages"]
+    held_runs = {uuid.UUID(m["MessageAttributes"]["run_id"]["StringValue"]) for m in held}
+    purged = sorted(held_runs)[0]
+    execute(engine, "DELETE FROM platform_outbox_messages WHERE run_id = :r", r=purged)
+
+    report = requeue.requeue(engine, sqs, ops_settings, matching, waker=waker)
+
+    items = {i.run_id: i for i in report.items}
+    assert set(items) == set(run_ids)
+    assert report.not_received == 3 and report.unreachable == 1
+    assert {r for r, i in items.items() if i.source == "database"} == held_runs
+    assert (items[purged].action, items[purged].reason) == ("skipped", "no-envelope")
+    assert report.requeued == 5
+    for run_id in set(run_ids) - {purged}:
+        assert status_and_sent(engine, run_id) == ("queued", False)
+    assert trail(engine, sorted(held_runs - {purged})[0])[-1].detail["dlq_message"] == "not-received"
+    with engine.connect() as conn:
+        assert [x.run_id for x in dlq.dead_lettered_runs(conn, matching)] == [purged]
+
+
 def test_filters_pick_by_task_and_age_and_every_copy_of_a_requeued_run_is_deleted(
     app: sessionmaker[Session],
     engine: sa.Engine,
