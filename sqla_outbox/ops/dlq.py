@@ -628,6 +628,9 @@ class LedgerLetter:
 
     Attributes:
         run_id, task, queue, tenant_id, attempts: The run's row.
+        reason: The worker's verdict (``permanent-error``, ``retries-exhausted``,
+            ``receive-limit``, ...), from the run's last ``failed`` trail row; None if it
+            has none.
         error_type / error: The run's last error (``last_error_type``, ``last_error``).
         dead_lettered_at: When the worker dead-lettered it (UTC).
         age_seconds: Now minus ``dead_lettered_at`` (database clock), seconds.
@@ -638,6 +641,7 @@ class LedgerLetter:
     queue: str
     tenant_id: int | None
     attempts: int
+    reason: str | None
     error_type: str | None
     error: str | None
     dead_lettered_at: dt.datetime
@@ -646,14 +650,24 @@ class LedgerLetter:
 
 @dataclasses.dataclass(frozen=True)
 class LedgerGroup:
-    """Dead-lettered runs of one queue, task and error type: how many, and the oldest's age
-    (seconds)."""
+    """Dead-lettered runs of one queue, task, reason (the worker's verdict) and error type:
+    how many, and the oldest's age (seconds)."""
 
     queue: str
     task: str
+    reason: str | None
     error_type: str | None
     runs: int
     oldest_age_seconds: float
+
+
+_REASON = (
+    "(SELECT t.detail ->> 'reason' FROM task_run_trail AS t WHERE t.run_id = r.run_id "
+    "AND t.status = 'failed' AND t.detail ? 'reason' ORDER BY t.id DESC LIMIT 1)"
+)
+"""The worker's verdict of a failed run: ``detail.reason`` of its last ``failed`` trail row
+that has one (the dead-lettering row after it carries ``dead_lettered`` and ``dlq``); a
+backward walk of the ``(run_id, id)`` index over the run's few rows."""
 
 
 def _ledger_where(filters: DeadLetterFilter) -> tuple[str, dict[str, Any]]:
@@ -693,7 +707,8 @@ def dead_lettered_runs(
     """
     where, params = _ledger_where(filters)
     statement = (
-        "SELECT r.run_id, r.task, r.queue, r.tenant_id, r.attempts, r.last_error_type, r.last_error, "
+        f"SELECT r.run_id, r.task, r.queue, r.tenant_id, r.attempts, {_REASON} AS reason, "
+        "r.last_error_type, r.last_error, "
         "r.dead_lettered_at, EXTRACT(EPOCH FROM clock_timestamp() - r.dead_lettered_at)::float8 AS age "
         f"FROM task_runs AS r WHERE {where} ORDER BY r.dead_lettered_at, r.run_id"
         + (" LIMIT :limit" if limit is not None else "")
@@ -707,6 +722,7 @@ def dead_lettered_runs(
             queue=str(row.queue),
             tenant_id=row.tenant_id,
             attempts=int(row.attempts),
+            reason=row.reason,
             error_type=row.last_error_type,
             error=row.last_error,
             dead_lettered_at=row.dead_lettered_at,
@@ -717,18 +733,23 @@ def dead_lettered_runs(
 
 
 def dead_lettered_groups(connection: Connection, filters: DeadLetterFilter) -> list[LedgerGroup]:
-    """The dead-lettered runs ``filters`` match, counted by queue, task and error type
-    (largest groups first)."""
+    """The dead-lettered runs ``filters`` match, counted by queue, task, reason and error
+    type (largest groups first)."""
     where, params = _ledger_where(filters)
     statement = (
-        "SELECT r.queue, r.task, r.last_error_type, count(*) AS runs, "
+        f"SELECT r.queue, r.task, {_REASON} AS reason, r.last_error_type, count(*) AS runs, "
         "EXTRACT(EPOCH FROM clock_timestamp() - min(r.dead_lettered_at))::float8 AS oldest "
-        f"FROM task_runs AS r WHERE {where} GROUP BY r.queue, r.task, r.last_error_type "
-        "ORDER BY runs DESC, r.queue, r.task, r.last_error_type NULLS FIRST"
+        f"FROM task_runs AS r WHERE {where} GROUP BY 1, 2, 3, 4 "
+        "ORDER BY runs DESC, 1, 2, 3 NULLS FIRST, 4 NULLS FIRST"
     )
     return [
         LedgerGroup(
-            str(row.queue), str(row.task), row.last_error_type, int(row.runs), max(0.0, float(row.oldest))
+            str(row.queue),
+            str(row.task),
+            row.reason,
+            row.last_error_type,
+            int(row.runs),
+            max(0.0, float(row.oldest)),
         )
         for row in connection.execute(text(statement), params)
     ]

@@ -702,7 +702,14 @@ def test_a_filtered_requeue_reaches_the_runs_whose_messages_another_reader_holds
         listed = dlq.dead_lettered_runs(conn, matching)
         [group] = dlq.dead_lettered_groups(conn, matching)
     assert sorted(x.run_id for x in listed) == sorted(run_ids)
-    assert (group.queue, group.task, group.error_type, group.runs) == ("default", "audit", "ValueError", 6)
+    assert (group.queue, group.task, group.reason, group.error_type, group.runs) == (
+        "default",
+        "audit",
+        "permanent-error",
+        "ValueError",
+        6,
+    )
+    assert {x.reason for x in listed} == {"permanent-error"}
     assert dlq.dlq_depths(sqs, ops_settings, ["default", "bulk"]) == {"default": 6, "bulk": 0}
     held = sqs.receive_message(
         QueueUrl=queues["default-dlq"],
