@@ -170,6 +170,11 @@ class Action(abc.ABC):
         """The form fields a run page's button submits for ``run``."""
         return {"run_id": str(run.run_id)}
 
+    def moot_under(self, run: RunRecord, pauses: flow.Pauses) -> bool:
+        """Whether the pauses in force already do what this action would for ``run`` (a
+        run page then does not offer it)."""
+        return False
+
     @abc.abstractmethod
     def parse(self, form: Form) -> Any:
         """The action's parameters from a submitted form.
@@ -218,8 +223,11 @@ class ActionRegistry:
     def in_place(self, place: str) -> list[Action]:
         return [a for a in self._actions.values() if place in a.places]
 
-    def for_run(self, run: RunRecord) -> list[Action]:
-        return [a for a in self.in_place("run") if a.applies_to_run(run)]
+    def for_run(self, run: RunRecord, pauses: flow.Pauses | None = None) -> list[Action]:
+        """The actions a run page offers for ``run``: those that apply to it and that the
+        pauses in force do not make moot (no "Pause…" for a task already paused)."""
+        pauses = pauses or flow.Pauses()
+        return [a for a in self.in_place("run") if a.applies_to_run(run) and not a.moot_under(run, pauses)]
 
     def __iter__(self) -> Any:
         return iter(self._actions.values())
@@ -609,6 +617,9 @@ class FlowPause(Action):
 
     def run_fields(self, run: RunRecord) -> dict[str, str]:
         return {"scope": "task", "target": run.task}
+
+    def moot_under(self, run: RunRecord, pauses: flow.Pauses) -> bool:
+        return run.task in pauses.tasks
 
     def parse(self, form: Form) -> FlowTarget:
         reason = (form.get("reason") or [""])[-1].strip()[:500] or None

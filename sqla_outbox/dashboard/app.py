@@ -41,7 +41,7 @@ from starlette.routing import Mount, Route, Router
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from sqla_outbox import errors, flow, migrations
+from sqla_outbox import errors, flow, migrations, presence
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings, redact_url
 from sqla_outbox.dashboard import queries, views
@@ -352,13 +352,17 @@ class Pages:
         except ValueError:
             raise HTTPException(404, "no such run") from None
 
-        def reading(connection: Connection) -> tuple[runs.RunDetail, queries.OutboxState | None]:
-            return runs.get_run(connection, run_id, with_traceback=True), queries.outbox_row(
-                connection, run_id
+        def reading(connection: Connection) -> tuple[Any, ...]:
+            return (
+                runs.get_run(connection, run_id, with_traceback=True),
+                queries.outbox_row(connection, run_id),
+                flow.current(connection),
+                presence.Coverage.of(presence.live_workers(connection)),
+                queries.database_now(connection),
             )
 
         try:
-            detail, outbox = await run_in_threadpool(self.dashboard.read, reading)
+            detail, outbox, pauses, coverage, now = await run_in_threadpool(self.dashboard.read, reading)
         except errors.RunNotFound:
             raise HTTPException(404, f"no run {run_id}") from None
         if not identity.allows_tenant(detail.run.tenant_id):
@@ -377,7 +381,8 @@ class Pages:
             envelope=views.envelope_metadata(envelope),
             payload=views.payload_text(envelope) if payloads else None,
             result=None if result is None else views.pretty_json(result),
-            run_actions=_offered(self.dashboard.actions.for_run(detail.run), identity),
+            run_actions=_offered(self.dashboard.actions.for_run(detail.run, pauses), identity),
+            waiting=views.waiting_reasons(detail.run, outbox, pauses, coverage, now),
         )
 
     # --- DLQ ----------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from sqlalchemy import Float, Integer, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
 from sqlalchemy.engine import Connection
 
+from sqla_outbox import flow
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.ops.status import PendingRows
 from sqla_outbox.relay import schedule
@@ -145,12 +146,14 @@ class TenantBacklog:
     due: int
     oldest_pending_age_seconds: float
     oldest_due_age_seconds: float | None
+    paused: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class TenantBacklogReport:
-    """:func:`backlog`'s by-tenant part: the ``limit`` most-behind tenants, and how many
-    tenants have pending rows at all."""
+    """:func:`backlog`'s by-tenant part: the ``limit`` most-behind tenants, then every paused
+    tenant with pending rows that is not among them, and how many tenants have pending rows
+    at all."""
 
     tenants: list[TenantBacklog]
     tenant_count: int
@@ -189,9 +192,11 @@ def backlog(
     reports them) and by tenant, from one pass over each table's pending rows.
 
     Returns:
-        ``(rows by table and queue, sorted; the most-behind tenants, at most limit)``.
-        A tenant is more behind when its oldest due row waited longer, then when its
-        oldest pending row is older.
+        ``(rows by table and queue, sorted; the most-behind tenants, at most limit, then
+        the paused tenants not among them)``. A tenant is more behind when its oldest due
+        row waited longer, then when its oldest pending row is older. A paused tenant's
+        rows are held with ``available_at`` pushed forward, so none is due and it would
+        rank below every tenant with due work: it is always listed, marked ``paused``.
     """
     by_queue: dict[tuple[str, str], PendingRows] = {}
     by_tenant: dict[int, TenantBacklog] = {}
@@ -218,11 +223,13 @@ def backlog(
             oldest_pending_age_seconds=max(age, tenant.oldest_pending_age_seconds if tenant else age),
             oldest_due_age_seconds=_oldest(due_age, tenant.oldest_due_age_seconds if tenant else None),
         )
+    paused = flow.current(connection).tenants
     behind = sorted(
-        by_tenant.values(),
+        (dataclasses.replace(t, paused=t.tenant_id in paused) for t in by_tenant.values()),
         key=lambda t: (-(t.oldest_due_age_seconds or -1.0), -t.oldest_pending_age_seconds, t.tenant_id),
     )
-    return [by_queue[k] for k in sorted(by_queue)], TenantBacklogReport(behind[:limit], len(by_tenant))
+    shown = behind[:limit] + [t for t in behind[limit:] if t.paused]
+    return [by_queue[k] for k in sorted(by_queue)], TenantBacklogReport(shown, len(by_tenant))
 
 
 # --- the last hour, per minute -------------------------------------------------------------

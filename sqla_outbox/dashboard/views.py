@@ -10,9 +10,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from sqla_outbox import flow, presence
 from sqla_outbox.dashboard import charts, queries
 from sqla_outbox.ops.durations import format_age, parse_duration
-from sqla_outbox.ops.runs import DEFAULT_LIMIT, RunCursor, RunFilter, TrailEntry
+from sqla_outbox.ops.runs import DEFAULT_LIMIT, RunCursor, RunFilter, RunRecord, TrailEntry
 from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
 
 RUNS_PAGE_SIZE = DEFAULT_LIMIT
@@ -311,3 +312,48 @@ def without_answers(trail: Sequence[TrailEntry]) -> list[TrailEntry]:
         assert isinstance(detail, dict) and isinstance(webhook, dict)
         out.append(dataclasses.replace(step, detail={**detail, "webhook": {**webhook, "response": shown}}))
     return out
+
+
+# --- why a run waits -------------------------------------------------------------------------
+def waiting_reasons(
+    run: RunRecord,
+    outbox: queries.OutboxState | None,
+    pauses: flow.Pauses,
+    coverage: presence.Coverage,
+    now: dt.datetime,
+) -> list[str]:
+    """Why an unfinished run has not run yet, as sentences for its page (empty for a run
+    that is running or finished).
+
+    Args:
+        run: The run. outbox: Its outbox row, if it still has one.
+        pauses: The pauses in force (:func:`sqla_outbox.flow.current`).
+        coverage: What live workers implement (:class:`sqla_outbox.presence.Coverage`).
+        now: The database's clock (UTC).
+    """
+    if run.status not in ("queued", "retrying"):
+        return []
+    reasons = []
+    paused = pauses.blocking(run.task, run.tenant_id, run.queue)
+    if paused is not None:
+        reasons.append(f"paused: {paused} (resume it on the Controls page)")
+    if not coverage.serves(run.task, run.queue):
+        reasons.append(
+            f"no live worker implements {run.task} on the {run.queue} queue: the relay holds it "
+            "until one starts"
+        )
+    if run.status == "retrying" and run.available_at > now:
+        reasons.append(f"retrying: next try at {run.available_at:%Y-%m-%d %H:%M:%S} UTC")
+    if outbox is not None and outbox.sent_at is None:
+        if outbox.available_at > now:
+            reasons.append(
+                f"in the outbox until {outbox.available_at:%Y-%m-%d %H:%M:%S} UTC "
+                "(a delay, a retry, or held back by flow control)"
+            )
+        elif not reasons:
+            reasons.append("in the outbox, due: the relay sends it on its next pass")
+    elif outbox is not None and not reasons:
+        reasons.append(
+            f"sent to SQS at {outbox.sent_at:%Y-%m-%d %H:%M:%S} UTC: waiting for a worker to receive it"
+        )
+    return reasons

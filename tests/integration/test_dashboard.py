@@ -124,6 +124,58 @@ def logged_in(client: httpx.Client, token: str = ALICE) -> str:
 # --- pages ---------------------------------------------------------------------------------
 
 
+def test_a_waiting_runs_page_says_why_it_waits_and_offers_no_pause_for_a_paused_task(
+    app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
+) -> None:
+    """A queued run's page never said why it waited, and offered "Pause…" for a task that
+    was already paused."""
+    from sqla_outbox import flow, presence
+
+    paused_run = dispatch(app, "audit", {})
+    free_run = dispatch(app, "charge_card", {}, tenant_id=3)
+    with engine.begin() as conn:
+        flow.pause(conn, task="audit", by="test", reason="incident")
+        presence.register(conn, worker_id="w:1", tasks=["audit"], queues=["default"])
+    with serve(dashboard_users=USERS, dashboard_actions=True) as client:
+        logged_in(client, ALICE)
+        held = client.get(f"/runs/{paused_run}").text
+        free = client.get(f"/runs/{free_run}").text
+    assert 'id="why-waiting"' in held and "paused: task audit" in held
+    assert 'data-action="flow-pause"' not in held and 'data-action="runs-cancel"' in held
+    assert "no live worker implements charge_card on the critical queue" in free
+    assert "paused" not in re.sub(r"<[^>]+>", "", free.split('id="why-waiting"')[1].split("</div>")[0])
+    assert 'data-action="flow-pause"' in free
+
+
+def test_the_overview_lists_a_paused_tenant_among_the_most_behind(
+    app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
+) -> None:
+    """A paused tenant's rows are held (``available_at`` pushed forward), so none is due and
+    it ranked below every tenant with due work: with 21 tenants due, a paused tenant whose
+    oldest row waited 48 minutes was not listed at all. It is listed, marked paused."""
+    from sqla_outbox import flow
+    from sqla_outbox.dashboard.queries import TENANTS_SHOWN
+
+    execute(engine, "INSERT INTO tenants SELECT g, 'tenant ' || g FROM generate_series(100, 140) AS g")
+    for tenant in range(100, 100 + TENANTS_SHOWN + 1):
+        dispatch(app, "charge_card", {}, tenant_id=tenant)
+    held = [dispatch(app, "charge_card", {}, tenant_id=140) for _ in range(3)]
+    with engine.begin() as conn:
+        flow.pause(conn, tenant_id=140, by="test", reason="incident")
+    execute(
+        engine,
+        "UPDATE outbox_messages SET created_at = clock_timestamp() - interval '48 minutes', "
+        "available_at = clock_timestamp() + interval '1 minute' WHERE run_id = ANY(:runs)",
+        runs=held,
+    )
+    with serve() as client:
+        page = client.get("/").text
+    tenants = cells(page, "data-tenant")
+    assert len(tenants) == TENANTS_SHOWN + 1
+    assert tenants["140"].startswith("140 paused 3 0 48m")
+    assert 'data-tenant="140" data-paused="yes"' in page and "and the paused ones" in page
+
+
 def test_overview_shows_pending_rows_by_queue_and_tenant_runs_by_status_and_the_last_hour(
     app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
 ) -> None:
