@@ -559,10 +559,14 @@ class Pages:
     async def schedules_page(self, request: Request) -> Response:
         identity = self.auth.identity(request)
         catalog_error = None
+        # the file's name only: where it lives on the server is not the viewers' business
+        catalog_name = Path(self.settings.catalog_path).name
         try:
             catalog = await run_in_threadpool(scheduling_catalog, self.settings, warn=False)
         except errors.CatalogError as exc:
             catalog_error = str(exc)
+            for spelled in {str(self.settings.catalog_path), str(Path(self.settings.catalog_path).resolve())}:
+                catalog_error = catalog_error.replace(spelled, catalog_name)
             catalog = Catalog.from_dict({"version": 1, "tasks": {}, "events": {}})
         now, states = await run_in_threadpool(self.dashboard.read, lambda c: queries.schedules(c, catalog))
         return self.render(
@@ -572,7 +576,7 @@ class Pages:
             now=now,
             schedules=states,
             catalog_error=catalog_error,
-            catalog_path=self.settings.catalog_path,
+            catalog_name=catalog_name,
         )
 
     async def controls_page(self, request: Request) -> Response:

@@ -537,6 +537,12 @@ def test_schedules_page_shows_each_schedules_latest_and_next_slot(
         and "queued" in rows["hourly_report"]
     )
     assert 'data-slot-status="queued"' in page and "every 3600 s" in page and "cron 17 3 * * *" in page
+    # no server path shown to viewers: the catalog's file name only, also in its error
+    assert str(tmp_path) not in page and '<span class="mono" id="catalog-name">scheduled.json</span>' in page
+    path.write_text("{not json")
+    with serve(catalog_path=str(path)) as client:
+        broken = client.get("/schedules").text
+    assert "The catalog cannot be read" in broken and str(tmp_path) not in broken
 
 
 def test_database_errors_are_one_line_with_the_password_masked(
