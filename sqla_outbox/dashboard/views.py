@@ -239,15 +239,18 @@ def _text(value: Any) -> str:
 # --- overview charts -----------------------------------------------------------------------
 def activity_charts(activity: queries.Activity) -> tuple[charts.Chart, charts.Chart]:
     """The throughput chart (dispatched, finished, failed per minute) and the latency chart
-    (p50, p95, p99 commit → finish of the runs that succeeded)."""
-    minutes = [m.minute for m in activity.minutes]
+    (p50, p95, p99 commit → finish of the runs that succeeded), over the whole minutes only:
+    the current minute is left out until it is over (drawn as it fills, it read as a
+    collapse early in every minute). The table beside them still shows it."""
+    settled = activity.minutes[:-1] if len(activity.minutes) > 1 else activity.minutes
+    minutes = [m.minute for m in settled]
     throughput = charts.counts_chart(
         "Runs per minute",
         minutes,
         [
-            ("dispatched", "s-dispatched", [m.dispatched for m in activity.minutes]),
-            ("finished", "s-finished", [m.finished for m in activity.minutes]),
-            ("failed", "s-failed", [m.failed for m in activity.minutes]),
+            ("dispatched", "s-dispatched", [m.dispatched for m in settled]),
+            ("finished", "s-finished", [m.finished for m in settled]),
+            ("failed", "s-failed", [m.failed for m in settled]),
         ],
     )
     names = [f"p{round(p * 100)}" for p in queries.LATENCY_PERCENTILES]
@@ -258,7 +261,7 @@ def activity_charts(activity: queries.Activity) -> tuple[charts.Chart, charts.Ch
             (
                 name,
                 f"s-{name}",
-                [m.latency_seconds[i] if m.latency_seconds else None for m in activity.minutes],
+                [m.latency_seconds[i] if m.latency_seconds else None for m in settled],
             )
             for i, name in enumerate(names)
         ],

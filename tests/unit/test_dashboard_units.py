@@ -89,6 +89,24 @@ def test_counts_chart_scales_from_zero_and_names_the_latest_value() -> None:
     assert charts.counts_chart("c", minutes, [("x", "s", [0, 0, 0])]).empty
 
 
+def test_the_charts_end_on_the_last_whole_minute() -> None:
+    """The current minute, still filling, read as a collapse at the end of every chart
+    early in each minute: the charts stop at the last whole minute."""
+    from sqla_outbox.dashboard import queries, views
+
+    minutes = [
+        queries.MinuteActivity(
+            NOW + dt.timedelta(minutes=i), dispatched=n, finished=n, failed=0, latency_seconds=(0.1, 0.2, 0.3)
+        )
+        for i, n in enumerate([40, 40, 3])
+    ]
+    throughput, latency = views.activity_charts(
+        queries.Activity(now=NOW + dt.timedelta(minutes=2, seconds=5), minutes=minutes)
+    )
+    assert throughput.series[0].latest == "40" and len(throughput.series[0].segments[0].split()) == 2
+    assert len(latency.series[0].segments[0].split()) == 2
+
+
 def test_latency_chart_is_logarithmic_and_breaks_lines_at_missing_minutes() -> None:
     minutes = [NOW + dt.timedelta(minutes=i) for i in range(5)]
     chart = charts.latency_chart("l", minutes, [("p50", "s-p50", [0.02, None, 0.5, 3.0, None])])
