@@ -326,6 +326,8 @@ class Pages:
         if identity.tenants is not None:  # only their tenants' runs, whatever the filters say
             filters = dataclasses.replace(filters, tenant_ids=identity.tenants)
         found = await run_in_threadpool(self.dashboard.read, lambda c: runs.list_runs(c, filters))
+        if len(query.values["run"].replace("-", "")) == 32 and len(found) == 1:  # a whole id: its page
+            return RedirectResponse(self.path(request, "run", run_id=str(found[0].run_id)), status_code=303)
         more = len(found) > size
         if query.filters.after is not None:  # going back: the extra row is the newest one
             rows, has_newer, has_older = (found[1:] if more else found), more, True

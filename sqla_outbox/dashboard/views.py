@@ -13,7 +13,7 @@ from typing import Any
 from sqla_outbox import flow, presence
 from sqla_outbox.dashboard import charts, queries
 from sqla_outbox.ops.durations import format_age, parse_duration
-from sqla_outbox.ops.runs import DEFAULT_LIMIT, RunCursor, RunFilter, RunRecord, TrailEntry
+from sqla_outbox.ops.runs import DEFAULT_LIMIT, RunCursor, RunFilter, RunRecord, TrailEntry, run_id_range
 from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
 
 RUNS_PAGE_SIZE = DEFAULT_LIMIT
@@ -61,15 +61,23 @@ def runs_query(
     """Read the Runs page's query parameters.
 
     Args:
-        params: ``task``, ``tenant`` (an id or ``platform``), ``queue``, ``status``,
-            ``since`` / ``until`` (UTC), ``before`` / ``after`` (cursors).
+        params: ``run`` (a run id or its first hex digits), ``task``, ``tenant`` (an id or
+            ``platform``), ``queue``, ``status``, ``since`` / ``until`` (UTC), ``before`` /
+            ``after`` (cursors).
         limit: Rows asked for (the page size plus one, to know if there is more).
         queues: The queues a ``queue`` filter may name (the four, plus declared ones).
 
     Raises:
         FilterError: A parameter is invalid; the message names it.
     """
-    values = {k: params.get(k, "").strip() for k in ("task", "tenant", "queue", "status", "since", "until")}
+    values = {
+        k: params.get(k, "").strip() for k in ("run", "task", "tenant", "queue", "status", "since", "until")
+    }
+    if values["run"]:
+        try:
+            run_id_range(values["run"])
+        except ValueError as exc:
+            raise FilterError(f"run: {exc}") from None
     tenant: int | str | None = None
     if values["tenant"]:
         if values["tenant"] == "platform":
@@ -100,6 +108,7 @@ def runs_query(
     if cursors["before"] is not None and cursors["after"] is not None:
         raise FilterError("give one of before and after")
     filters = RunFilter(
+        run_id_prefix=values["run"] or None,
         tasks=(values["task"],) if values["task"] else (),
         statuses=(values["status"],) if values["status"] else (),
         queues=(values["queue"],) if values["queue"] else (),

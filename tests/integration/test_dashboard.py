@@ -147,6 +147,29 @@ def test_a_waiting_runs_page_says_why_it_waits_and_offers_no_pause_for_a_paused_
     assert 'data-action="flow-pause"' in free
 
 
+def test_runs_are_found_by_their_id_or_its_first_digits(
+    app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
+) -> None:
+    """Search by run id: a whole id opens the run's page; its first hex digits list the runs
+    that start with them (a range of the primary key); anything else is refused."""
+    run_ids = [dispatch(app, "audit", {"n": n}) for n in range(8)]
+    target = run_ids[3]
+    prefix = str(target)[:6]
+    with serve() as client:
+        whole = client.get("/runs", params={"run": str(target)}, follow_redirects=False)
+        upper = client.get("/runs", params={"run": str(target).upper()}, follow_redirects=False)
+        started = client.get("/runs", params={"run": prefix}).text
+        nothing = client.get("/runs", params={"run": "ffffffffffff"}).text
+        bad = client.get("/runs", params={"run": "not-hex"})
+    assert whole.status_code == 303 and whole.headers["location"] == f"/runs/{target}"
+    assert upper.status_code == 303
+    listed = set(cells(started, "data-run-id"))
+    assert str(target) in listed and all(r.startswith(prefix) for r in listed)
+    assert listed == {str(r) for r in run_ids if str(r).startswith(prefix)}
+    assert cells(nothing, "data-run-id") == {} and "No run matches." in nothing  # 2^-48 odds otherwise
+    assert bad.status_code == 400 and "run: &#39;not-hex&#39; is not the start of a run id" in bad.text
+
+
 def test_the_overview_lists_a_paused_tenant_among_the_most_behind(
     app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
 ) -> None:
