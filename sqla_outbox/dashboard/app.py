@@ -55,7 +55,7 @@ from sqla_outbox.dashboard.actions import (
 from sqla_outbox.dashboard.auth import IDENTITY_KEY, Auth, Forbidden, Identify, Identity, Unauthenticated
 from sqla_outbox.dashboard.untrusted import visible
 from sqla_outbox.logging import log_extra
-from sqla_outbox.ops import dlq, requeue, runs
+from sqla_outbox.ops import dlq, requeue, runs, status
 from sqla_outbox.relay import scheduling_catalog
 from sqla_outbox.types import QUEUE_NAMES, RUN_STATUSES
 from sqla_outbox.wakeup import Waker
@@ -581,6 +581,32 @@ class Pages:
             catalog_name=catalog_name,
         )
 
+    async def liveness_page(self, request: Request) -> Response:
+        """What ``python -m sqla_outbox status`` knows about liveness: the relays (which is
+        active, the partitions each owns, their due rows), the live workers (heartbeat,
+        queues, tasks served), due runs no live worker implements, ``running`` runs whose
+        lease expired long ago, runs without a live copy, and every queue's and DLQ's
+        depth."""
+        identity = self.auth.identity(request)
+        registry = Catalog.queue_registry_at(self.settings.catalog_path)
+        try:
+            client = await run_in_threadpool(self.dashboard.sqs)
+        except Exception:  # no SQS configuration: the page shows the database's part
+            client = None
+
+        def read(connection: Connection) -> status.StatusReport:
+            return status.collect(
+                connection,
+                self.settings,
+                client=client,
+                with_valkey=False,
+                queues=self.dashboard.queue_names,
+                registry=registry,
+            )
+
+        report = await run_in_threadpool(self.dashboard.read, read)
+        return self.render(request, "liveness.html", identity, report=report)
+
     async def controls_page(self, request: Request) -> Response:
         identity = self.auth.identity(request)
         flow_state = await run_in_threadpool(gate.snapshot, self.settings)  # read-only, from Valkey
@@ -892,6 +918,7 @@ def create_app(
         Route("/runs/{run_id}", pages.run_page, name="run"),
         Route("/dlq", pages.dlq_page, name="dlq"),
         Route("/schedules", pages.schedules_page, name="schedules"),
+        Route("/liveness", pages.liveness_page, name="liveness"),
         Route("/controls", pages.controls_page, name="controls"),
         Route("/login", pages.login, methods=["GET", "POST"], name="login"),
         Route("/logout", pages.logout, methods=["POST"], name="logout"),

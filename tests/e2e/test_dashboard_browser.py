@@ -203,6 +203,13 @@ def test_an_operator_watches_runs_flow_then_requeues_a_failed_run_that_succeeds(
         assert page.locator('#trail [data-worker="dashboard:alice"]').count() == 1
         screenshot(page, "run-succeeded")
 
+        # who is running: the relay and the worker of this test, and the queues' depths
+        page.click("nav >> text=Liveness")
+        page.locator("#relays tr[data-relay]").first.wait_for()
+        assert page.locator("#workers tr[data-worker]").count() >= 1
+        assert page.locator('#queue-depths tr[data-queue-depth="critical-dlq"]').count() == 1
+        screenshot(page, "liveness")
+
         # the schedules the relay runs, and the controls page
         page.click("nav >> text=Schedules")
         audit = page.locator('#schedules tr[data-task="audit"]')

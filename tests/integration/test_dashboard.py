@@ -170,6 +170,38 @@ def test_runs_are_found_by_their_id_or_its_first_digits(
     assert bad.status_code == 400 and "run: &#39;not-hex&#39; is not the start of a run id" in bad.text
 
 
+def test_the_liveness_page_shows_relays_workers_and_what_holds_work(
+    app: sessionmaker[Session],
+    engine: sa.Engine,
+    queues: dict[str, str],
+    serve: Callable[..., Any],
+) -> None:
+    """No page showed relays and workers, runs waiting for a worker that implements their
+    task, stale ``running`` runs, or SQS and DLQ depths; ``status`` knew all of it."""
+    from sqla_outbox import presence
+
+    waiting = dispatch(app, "charge_card", {}, tenant_id=3)
+    stale = dispatch(app, "audit", {})
+    execute(
+        engine,
+        "UPDATE task_runs SET status = 'running', attempts = 1, lease_owner = 'w:gone', "
+        "lease_expires_at = clock_timestamp() - interval '1 hour' WHERE run_id = :r",
+        r=stale,
+    )
+    with engine.begin() as conn:
+        presence.register(conn, worker_id="w:7", tasks=["audit"], queues=["default", "maintenance"])
+    with serve() as client:
+        page = client.get("/liveness").text
+    assert 'id="no-relay"' in page  # nothing holds the relay's lock in this test
+    workers = cells(page, "data-worker")
+    assert set(workers) == {"w:7"} and "default, maintenance" in workers["w:7"]
+    assert 'data-waiting-task="charge_card"' in page and "charge_card on critical: 1 waiting" in page
+    assert 'id="stale-count">1<' in page and str(stale) in page
+    depths = cells(page, "data-queue-depth")
+    assert {"critical", "critical-dlq", "default", "default-dlq"} <= set(depths)
+    assert waiting  # dispatched: its row is what waits
+
+
 def test_the_overview_lists_a_paused_tenant_among_the_most_behind(
     app: sessionmaker[Session], engine: sa.Engine, serve: Callable[..., Any]
 ) -> None:

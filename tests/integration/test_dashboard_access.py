@@ -197,6 +197,7 @@ def test_an_operator_restricted_to_a_tenant_sees_and_acts_on_that_tenants_runs_o
         assert client.get(f"/runs/{theirs}").status_code == 404
         assert client.get(f"/runs/{platform}").status_code == 404
         assert client.get("/controls").status_code == 403 and client.get("/schedules").status_code == 403
+        assert client.get("/liveness").status_code == 403  # every tenant's work and the fleet
         assert set(cells(client.get("/dlq", params={"messages": "yes"}).text, "data-run-id")) == {str(mine)}
         ledger = client.get("/dlq").text  # the ledger's view: only their tenant's runs and counts
         assert (
