@@ -210,6 +210,18 @@ def test_an_operator_watches_runs_flow_then_requeues_a_failed_run_that_succeeds(
         assert page.locator('#queue-depths tr[data-queue-depth="critical-dlq"]').count() == 1
         screenshot(page, "liveness")
 
+        # at phone width, in the system's dark mode: nothing wider than the screen, dark page
+        page.set_viewport_size({"width": 390, "height": 844})
+        page.emulate_media(color_scheme="dark")
+        for path in ("/", "/runs", "/dlq", "/liveness"):
+            page.goto(base + path)
+            assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1"), path
+            background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+            assert background == "rgb(15, 19, 27)", (path, background)
+        screenshot(page, "phone-dark-liveness")
+        page.set_viewport_size({"width": 1280, "height": 900})
+        page.emulate_media(color_scheme="light")
+
         # the schedules the relay runs, and the controls page
         page.click("nav >> text=Schedules")
         audit = page.locator('#schedules tr[data-task="audit"]')
