@@ -99,6 +99,10 @@ class Dashboard:
             self.queue_names = Catalog.queue_names_at(settings.catalog_path)
         except errors.CatalogError:
             self.queue_names = QUEUE_NAMES
+        self.task_names: tuple[str, ...] = ()  # the task filters' suggestions
+        if Path(settings.catalog_path).exists():
+            with contextlib.suppress(errors.CatalogError):
+                self.task_names = tuple(sorted(Catalog.load(settings.catalog_path).tasks))
 
     # --- resources -----------------------------------------------------------------------
     def _engine(self, *, read_only: bool) -> Engine:
@@ -255,6 +259,7 @@ class Pages:
             show_payloads=identity.sees_payloads(self.settings),
             run_statuses=RUN_STATUSES,
             queue_names=self.dashboard.queue_names,
+            task_names=self.dashboard.task_names,
         )
         context.setdefault("page", template.removesuffix(".html").lstrip("_"))
         response = self.templates.TemplateResponse(request, template, context, status_code=status_code)

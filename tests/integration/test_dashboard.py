@@ -168,6 +168,11 @@ def test_runs_are_found_by_their_id_or_its_first_digits(
     assert listed == {str(r) for r in run_ids if str(r).startswith(prefix)}
     assert cells(nothing, "data-run-id") == {} and "No run matches." in nothing  # 2^-48 odds otherwise
     assert bad.status_code == 400 and "run: &#39;not-hex&#39; is not the start of a run id" in bad.text
+    # the task filters suggest the catalog's task names as one types (a datalist)
+    suggested = re.findall(
+        r'<option value="([^"]+)">', started.split('<datalist id="task-names">')[1].split("</datalist>")[0]
+    )
+    assert {"audit", "charge_card", "send_welcome"} <= set(suggested) and 'list="task-names"' in started
 
 
 def test_the_liveness_page_shows_relays_workers_and_what_holds_work(
