@@ -62,8 +62,8 @@ def runs_query(
 
     Args:
         params: ``run`` (a run id or its first hex digits), ``task``, ``tenant`` (an id or
-            ``platform``), ``queue``, ``status``, ``since`` / ``until`` (UTC), ``before`` /
-            ``after`` (cursors).
+            ``platform``), ``queue``, ``status``, ``since`` / ``until`` (UTC), ``sort``
+            (``oldest`` for oldest first), ``before`` / ``after`` (cursors).
         limit: Rows asked for (the page size plus one, to know if there is more).
         queues: The queues a ``queue`` filter may name (the four, plus declared ones).
 
@@ -71,8 +71,11 @@ def runs_query(
         FilterError: A parameter is invalid; the message names it.
     """
     values = {
-        k: params.get(k, "").strip() for k in ("run", "task", "tenant", "queue", "status", "since", "until")
+        k: params.get(k, "").strip()
+        for k in ("run", "task", "tenant", "queue", "status", "since", "until", "sort")
     }
+    if values["sort"] not in ("", "oldest"):
+        raise FilterError(f"sort: {values['sort']!r} is not one of newest (the default), oldest")
     if values["run"]:
         try:
             run_id_range(values["run"])
@@ -109,6 +112,7 @@ def runs_query(
         raise FilterError("give one of before and after")
     filters = RunFilter(
         run_id_prefix=values["run"] or None,
+        oldest_first=values["sort"] == "oldest",
         tasks=(values["task"],) if values["task"] else (),
         statuses=(values["status"],) if values["status"] else (),
         queues=(values["queue"],) if values["queue"] else (),

@@ -143,11 +143,13 @@ class RunFilter:
         newer_than: Only runs created more recently than this.
         created_after / created_before: Only runs created at or after / before this
             instant (timezone-aware).
-        before: Keyset cursor: only runs after this position in the newest-first order
-            (the next, older page).
-        after: Keyset cursor: only runs before this position (the previous, newer page);
-            still returned newest first.
-        limit: Most runs returned, newest first.
+        before: Keyset cursor: only runs after this position in the list's order (the
+            next page: older ones, or newer with ``oldest_first``).
+        after: Keyset cursor: only runs before this position in the list's order (the
+            previous page); still returned in the list's order.
+        limit: Most runs returned, in the list's order.
+        oldest_first: List the oldest runs first (by creation time, then run id) instead
+            of the newest.
         run_id_prefix: Only runs whose id starts with these hex digits (1..32, dashes
             ignored): the run-id search. A range of the primary key, so it costs an index
             range scan, never a scan of ``task_runs``.
@@ -167,6 +169,7 @@ class RunFilter:
     limit: int = DEFAULT_LIMIT
     parked: bool | None = None
     run_id_prefix: str | None = None
+    oldest_first: bool = False
 
 
 def run_id_range(prefix: str) -> tuple[uuid.UUID, uuid.UUID]:
@@ -281,16 +284,23 @@ def list_runs(connection: Connection, filters: RunFilter) -> list[RunRecord]:
     if filters.created_before is not None:
         query = query.where(task_runs.c.created_at < filters.created_before)
     created, run_id = task_runs.c.created_at, task_runs.c.run_id
-    # (created_at, run_id) < cursor, spelled so that an index on created_at bounds the scan
+
+    # (created_at, run_id) against a cursor, spelled so that an index on created_at bounds the scan
+    def earlier(cursor: RunCursor) -> tuple[Any, Any]:
+        return created <= cursor.created_at, sa.or_(created < cursor.created_at, run_id < cursor.run_id)
+
+    def later(cursor: RunCursor) -> tuple[Any, Any]:
+        return created >= cursor.created_at, sa.or_(created > cursor.created_at, run_id > cursor.run_id)
+
+    onward, back = (later, earlier) if filters.oldest_first else (earlier, later)
+    listed = (created.asc(), run_id.asc()) if filters.oldest_first else (created.desc(), run_id.desc())
+    reverse = (created.desc(), run_id.desc()) if filters.oldest_first else (created.asc(), run_id.asc())
     if filters.before is not None:
-        at, last = filters.before.created_at, filters.before.run_id
-        query = query.where(created <= at, sa.or_(created < at, run_id < last))
-    if filters.after is not None:
-        at, last = filters.after.created_at, filters.after.run_id
-        query = query.where(created >= at, sa.or_(created > at, run_id > last))
-        query = query.order_by(created.asc(), run_id.asc()).limit(filters.limit)
+        query = query.where(*onward(filters.before))
+    if filters.after is not None:  # the previous page: read backwards from the cursor, then turn round
+        query = query.where(*back(filters.after)).order_by(*reverse).limit(filters.limit)
         return [_record(row) for row in reversed(list(connection.execute(query)))]
-    query = query.order_by(created.desc(), run_id.desc()).limit(filters.limit)
+    query = query.order_by(*listed).limit(filters.limit)
     return [_record(row) for row in connection.execute(query)]
 
 

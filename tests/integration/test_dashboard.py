@@ -339,6 +339,14 @@ def test_runs_list_filters_and_keyset_pages_reach_every_run_once(
         assert ids(second) == everything[50:] and link(second, "older") is None
         newer = link(second, "newer")
         assert newer and ids(client.get(newer).text) == everything[:50]
+        # oldest first: the same runs the other way round, paged the same way
+        oldest = client.get("/runs", params={"sort": "oldest"}).text
+        assert ids(oldest) == everything[::-1][:50] and link(oldest, "newer") is None
+        rest = client.get(link(oldest, "older") or "").text
+        assert ids(rest) == everything[::-1][50:] and link(rest, "older") is None
+        back = client.get(link(rest, "newer") or "").text
+        assert ids(back) == everything[::-1][:50]
+        assert client.get("/runs", params={"sort": "sideways"}).status_code == 400
 
         tenant_9 = client.get("/runs", params={"tenant": "9"}).text
         assert len(ids(tenant_9)) == 20  # i = 0, 3, ..., 54, and the audit run
