@@ -325,6 +325,7 @@ class Pages:
                 values=_raw_filters(request),
                 rows=[],
                 list_actions=list_actions,
+                refreshing=False,
                 **_no_pages(),
             )
         filters = query.filters
@@ -348,6 +349,7 @@ class Pages:
             rows=rows,
             error=None,
             list_actions=list_actions,
+            refreshing=query.filters.before is None and query.filters.after is None,
             newer=None if newer is None else runs.RunCursor(newer.created_at, newer.run_id).encode(),
             older=None if older is None else runs.RunCursor(older.created_at, older.run_id).encode(),
         )

@@ -163,6 +163,14 @@ def test_an_operator_watches_runs_flow_then_requeues_a_failed_run_that_succeeds(
         )
         screenshot(page, "overview")
 
+        # the Runs list follows new runs without a reload
+        page.click("nav >> text=Runs")
+        page.locator("#runs tr[data-run-id]").first.wait_for()
+        page.evaluate("window.__same_page = true")
+        arrived = dispatch(app, "audit", {"n": "late"})
+        page.locator(f'#runs tr[data-run-id="{arrived}"]').wait_for(timeout=15_000)
+        assert page.evaluate("window.__same_page") is True
+
         # a failed run: find it with the filters, open it, read its error and trail
         page.click("nav >> text=Runs")
         page.select_option("#run-filters select[name=status]", "failed")

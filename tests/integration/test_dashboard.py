@@ -337,6 +337,8 @@ def test_runs_list_filters_and_keyset_pages_reach_every_run_once(
         assert ids(first) == everything[:50] and link(first, "newer") is None and older
         second = client.get(older).text
         assert ids(second) == everything[50:] and link(second, "older") is None
+        # the first page refreshes itself (htmx, the overview's interval); a later page stays put
+        assert 'id="runs" hx-get="/runs" hx-select="#runs"' in first and 'id="runs" hx-get' not in second
         newer = link(second, "newer")
         assert newer and ids(client.get(newer).text) == everything[:50]
         # oldest first: the same runs the other way round, paged the same way
