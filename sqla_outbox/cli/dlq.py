@@ -59,7 +59,11 @@ def dlq_group() -> None:
 @common_options
 @_dlq_filter_options
 @click.option(
-    "--limit", type=click.IntRange(min=1), default=200, show_default=True, help="Most messages shown."
+    "--limit",
+    type=click.IntRange(min=1, max=1_000_000),
+    default=200,
+    show_default=True,
+    help="Most messages shown.",
 )
 @json_option
 def dlq_list_command(

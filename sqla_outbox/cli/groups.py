@@ -78,7 +78,13 @@ def groups_show_command(
 @groups_group.command("list")
 @common_options
 @click.option("--unfinished", is_flag=True, help="Only groups whose last member has not finished.")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="Most groups shown.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1, max=1_000_000),
+    default=50,
+    show_default=True,
+    help="Most groups shown.",
+)
 @json_option
 def groups_list_command(
     verbose: int,

@@ -27,7 +27,7 @@ from sqla_outbox import errors
 from sqla_outbox import logging as outbox_logging
 from sqla_outbox.cli.terminal import echo
 from sqla_outbox.config import OutboxSettings, env_names, redact_text, redact_url
-from sqla_outbox.ops.durations import parse_duration
+from sqla_outbox.ops.durations import MAX_DURATION_DAYS, parse_duration
 from sqla_outbox.types import QUEUE_NAMES, is_queue_name
 
 EXIT_OK = 0
@@ -138,9 +138,14 @@ def duration(ctx: click.Context, param: click.Parameter, value: Any) -> dt.timed
         return value
     try:
         return parse_duration(str(value))
-    except errors.ConfigurationError:
+    except errors.ConfigurationError as exc:
+        too_long = "years" in str(exc)
         raise click.BadParameter(
-            f"{value!r} is not a duration (examples: 90s, 10m, 2h, 7d, 1h30m)", ctx, param
+            f"{value!r} is longer than {MAX_DURATION_DAYS // 365} years: check the number"
+            if too_long
+            else f"{value!r} is not a duration (examples: 90s, 10m, 2h, 7d, 1h30m)",
+            ctx,
+            param,
         ) from None
 
 

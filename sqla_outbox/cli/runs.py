@@ -163,7 +163,13 @@ def _shortened(value: str) -> str:
     default=None,
     help="Only runs whose outbox row the relay parked (SQS refused the message), or only the others.",
 )
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="Most runs shown.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1, max=1_000_000),
+    default=50,
+    show_default=True,
+    help="Most runs shown.",
+)
 @json_option
 def runs_list_command(
     verbose: int,

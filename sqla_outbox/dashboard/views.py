@@ -187,10 +187,13 @@ class AttemptView:
 
 
 def attempts(trail: Sequence[TrailEntry]) -> list[AttemptView]:
-    """The run's attempts, oldest first (trail rows without an attempt number, such as an
-    operator's requeue, belong to none)."""
+    """The run's attempts, oldest first. An operator's requeue belongs to none: its trail row
+    carries the number of the attempt it follows (the count it keeps), not a new outcome
+    of that attempt; nor do rows without an attempt number."""
     grouped: dict[int, list[TrailEntry]] = {}
     for entry in trail:
+        if isinstance(entry.detail, Mapping) and "requeued_by" in entry.detail:
+            continue
         if entry.attempt is not None and entry.attempt > 0:
             grouped.setdefault(entry.attempt, []).append(entry)
     out = []
@@ -359,17 +362,15 @@ def waiting_reasons(
             "until one starts"
         )
     if run.status == "retrying" and run.available_at > now:
-        reasons.append(f"retrying: next try at {run.available_at:%Y-%m-%d %H:%M:%S} UTC")
+        reasons.append(f"retrying: next try at {when(run.available_at)}")
     if outbox is not None and outbox.sent_at is None:
         if outbox.available_at > now:
             reasons.append(
-                f"in the outbox until {outbox.available_at:%Y-%m-%d %H:%M:%S} UTC "
+                f"in the outbox until {when(outbox.available_at)} "
                 "(a delay, a retry, or held back by flow control)"
             )
         elif not reasons:
             reasons.append("in the outbox, due: the relay sends it on its next pass")
     elif outbox is not None and not reasons:
-        reasons.append(
-            f"sent to SQS at {outbox.sent_at:%Y-%m-%d %H:%M:%S} UTC: waiting for a worker to receive it"
-        )
+        reasons.append(f"sent to SQS at {when(outbox.sent_at)}: waiting for a worker to receive it")
     return reasons

@@ -18,6 +18,11 @@ _PART = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _WHOLE = re.compile(r"(?:\d+(?:\.\d+)?[smhdw])+")
 
 
+MAX_DURATION_DAYS = 36_500
+"""Longest duration accepted: 100 years. Anything longer is a typo, and subtracted from
+now it would leave PostgreSQL's timestamp range (4713 BC to 294276 AD) or Python's."""
+
+
 def parse_duration(value: str) -> dt.timedelta:
     """Parse ``10m``, ``2h``, ``7d``, ``1h30m`` or a number of seconds.
 
@@ -25,20 +30,25 @@ def parse_duration(value: str) -> dt.timedelta:
         value: The text; surrounding spaces and case are ignored.
 
     Returns:
-        A non-negative ``timedelta``.
+        A non-negative ``timedelta`` of at most :data:`MAX_DURATION_DAYS` days.
 
     Raises:
-        ConfigurationError: The text is not a duration.
+        ConfigurationError: The text is not a duration, or a longer one than 100 years.
     """
     text = value.strip().lower().replace(" ", "")
     if re.fullmatch(r"\d+(?:\.\d+)?", text):
-        return dt.timedelta(seconds=float(text))
-    if not text or not _WHOLE.fullmatch(text):
+        seconds = float(text)
+    elif not text or not _WHOLE.fullmatch(text):
         raise errors.ConfigurationError(
             f"{value!r} is not a duration; use a number with s, m, h, d or w (10m, 2h, 7d, 1h30m)",
             option="duration",
         )
-    seconds = sum(float(number) * _UNIT_SECONDS[unit] for number, unit in _PART.findall(text))
+    else:
+        seconds = sum(float(number) * _UNIT_SECONDS[unit] for number, unit in _PART.findall(text))
+    if not seconds <= MAX_DURATION_DAYS * 86_400:  # also inf and nan
+        raise errors.ConfigurationError(
+            f"{value!r} is longer than {MAX_DURATION_DAYS // 365} years: check the number", option="duration"
+        )
     return dt.timedelta(seconds=seconds)
 
 

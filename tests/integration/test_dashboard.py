@@ -371,6 +371,13 @@ BAD_REQUESTS = (
     ("GET", "/runs", {"before": "not-a-cursor"}, 400, "before: not a position in the run list"),
     ("GET", "/runs", {"task": "x" * 300}, 400, "task: at most"),
     ("GET", "/dlq", {"older_than": "soon"}, 400, "is not a duration"),
+    (
+        "GET",
+        "/dlq",
+        {"older_than": "99999999w"},
+        400,
+        "is not a duration",
+    ),  # answered 503 (a timestamp overflow)
     ("GET", "/dlq", {"queue": "nowhere"}, 400, "queue: &#39;nowhere&#39; is not one of"),
     ("GET", "/runs/not-a-run-id", {}, 404, "no such run"),
     ("GET", f"/runs/{uuid.UUID(int=7)}", {}, 404, f"no run {uuid.UUID(int=7)}"),

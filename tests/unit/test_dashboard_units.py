@@ -207,6 +207,10 @@ def test_attempts_fold_the_trail_by_attempt_number() -> None:
         trail_entry(3, "running", 2),
         trail_entry(4, "failed", 2, "boom again"),
         trail_entry(5, "queued", None),  # an operator's requeue
+        # ... as the requeue writes it: with the number of the attempt it follows
+        dataclasses.replace(
+            trail_entry(5, "queued", 2), worker_id="operator:root@vm", detail={"requeued_by": "operator"}
+        ),
         trail_entry(6, "running", 3),
         trail_entry(7, "succeeded", 3),
     ]
@@ -214,7 +218,7 @@ def test_attempts_fold_the_trail_by_attempt_number() -> None:
     assert shown == [
         (1, "retrying", "boom", trail[0].at),
         (2, "failed", "boom again", trail[2].at),
-        (3, "succeeded", None, trail[5].at),
+        (3, "succeeded", None, trail[6].at),
     ]
 
 

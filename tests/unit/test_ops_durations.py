@@ -36,6 +36,15 @@ def test_parse_duration_refuses_what_is_not_a_duration(text: str) -> None:
         parse_duration(text)
 
 
+@pytest.mark.parametrize("text", ["999999999999999w", "99999999w", "36501d", "1e400", str(10**400)])
+def test_parse_duration_refuses_durations_no_timestamp_can_hold(text: str) -> None:
+    """They overflowed Python's timedelta (a traceback) or PostgreSQL's timestamps (a
+    database error, exit 1; the dashboard's DLQ page answered 503)."""
+    with pytest.raises(errors.ConfigurationError, match=r"longer than 100 years|is not a duration"):
+        parse_duration(text)
+    assert parse_duration("36500d") == dt.timedelta(days=36_500)
+
+
 @pytest.mark.parametrize(
     ("seconds", "text"),
     [
