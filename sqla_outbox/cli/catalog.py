@@ -38,6 +38,11 @@ def catalog_write_command(check: bool, **options: Any) -> None:
             )
         text = registry.catalog().to_json()
         path = Path(settings.catalog_path)
+        own = len(set(registry.tasks) - set(BUILTIN_TASKS))
+        counted = f"{own} task{'' if own == 1 else 's'}, and {len(registry.tasks) - own} built in"
+        rewrite = "python -m sqla_outbox catalog write" + "".join(
+            f" --imports {module}" for module in settings.worker_imports
+        )
         if check:
             current = path.read_text(encoding="utf-8") if path.exists() else ""
             if current != text:
@@ -50,9 +55,9 @@ def catalog_write_command(check: bool, **options: Any) -> None:
                     tofile=f"{path} (from the registered tasks)",
                 )
                 echo("".join(diff), nl=False)
-                echo(f"error: {path} is stale; run `python -m sqla_outbox catalog write`", err=True)
+                echo(f"error: {path} is stale; run `{rewrite}`", err=True)
                 sys.exit(EXIT_CHECK_FAILED)
-            echo(f"{path} is up to date ({len(registry.tasks)} tasks)")
+            echo(f"{path} is up to date ({counted})")
             return
         path.write_text(text, encoding="utf-8")
-        echo(f"wrote {path} ({len(registry.tasks)} tasks)")
+        echo(f"wrote {path} ({counted})")

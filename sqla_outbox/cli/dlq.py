@@ -20,6 +20,7 @@ from sqla_outbox.cli.options import (
     outbox_connection,
     outbox_engine,
     queue_names,
+    refuse_unknown_names,
     setup_logging,
     sqs_client,
 )
@@ -93,6 +94,8 @@ def dlq_list_command(
         from sqla_outbox.ops import dlq
 
         settings = load_settings(**options)
+        for queue in queues:  # an unknown queue has no DLQ to read: it would list nothing
+            refuse_unknown_names(settings, task=None, queue=queue)
         filters = dlq.DeadLetterFilter(
             tasks=tasks, queues=queues, older_than=older_than, known=_known_queues(settings)
         )
@@ -198,6 +201,8 @@ def dlq_requeue_command(
         from sqla_outbox.wakeup import Waker
 
         settings = load_settings(**options)
+        for queue in queues:  # an unknown queue has no DLQ to read: it would requeue nothing
+            refuse_unknown_names(settings, task=None, queue=queue)
         filters = dlq.DeadLetterFilter(
             tasks=tasks,
             queues=queues,

@@ -234,6 +234,13 @@ def handle_errors(show_traceback: bool) -> Iterator[None]:
             database = _loaded.get("database", "the configured database")
             echo(f"error: {migrations.missing_tables_message(database)}", err=True)
             sys.exit(EXIT_CONFIG)
+        if type(exc).__name__ == "NoCredentialsError":  # botocore's: configuration, not a service down
+            echo(
+                "error: no AWS credentials found (boto3's chain: AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, ~/.aws, or an instance or task role; for moto, any values)",
+                err=True,
+            )
+            sys.exit(EXIT_CONFIG)
         if is_connection_error(exc):
             echo(f"error: cannot reach a service: {_connection_error_summary(exc)}", err=True)
             sys.exit(EXIT_CONNECT)

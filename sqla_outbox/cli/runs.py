@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 import click
@@ -192,6 +193,9 @@ def runs_list_command(
         from sqla_outbox.ops import runs
 
         settings = load_settings(**options)
+        if Path(settings.catalog_path).exists():  # without the catalog, runs may name declared queues
+            for queue in queues:
+                refuse_unknown_names(settings, task=None, queue=queue)
         filters = runs.RunFilter(
             tasks=tasks,
             statuses=statuses,

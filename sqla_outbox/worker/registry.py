@@ -32,7 +32,7 @@ from sqla_outbox.catalog import DEFAULT_QUEUE_VISIBILITY_SECONDS, Catalog, Queue
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.lifecycle import retry
 from sqla_outbox.lifecycle.retry import RetryRules
-from sqla_outbox.types import PRIORITY_MAX, PRIORITY_MIN, is_priority
+from sqla_outbox.types import PRIORITY_MAX, PRIORITY_MIN, QUEUE_NAMES, is_priority
 from sqla_outbox.worker.limits import Breaker, TaskLimits
 
 RetryPolicy = retry.RetryPolicy
@@ -425,9 +425,11 @@ class Registry:
             )
         if not queues_chosen:
             return warnings
+        known = set(QUEUE_NAMES) | set(self.queues)  # an unknown queue is refused at start instead
         return warnings + [
             f"no registered task uses queue {queue!r}: this worker would hand its messages back to the outbox"
             for queue in self.unserved_queues(queues)
+            if queue in known
         ]
 
     def unserved_queues(self, queues: Iterable[str]) -> list[str]:

@@ -206,3 +206,28 @@ def test_a_bad_flag_value_is_named_by_the_flag_and_an_env_value_by_the_variable(
         2,
         "error: SQLA_OUTBOX_PURGE_SUCCEEDED_AFTER_DAYS: must be >= 0, got -1\n",
     )
+
+
+def test_provision_without_aws_credentials_says_so_as_a_configuration_error(
+    settings: OutboxSettings, tmp_path: Path
+) -> None:
+    """Pasted before the moto step, ``provision`` said "cannot reach a service:
+    NoCredentialsError" and exited 3 (a service down): it is the configuration (exit 2)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "SQLA_OUTBOX_"))}
+    env.update(
+        SQLA_OUTBOX_DATABASE_URL=settings.database_url,
+        SQLA_OUTBOX_CATALOG_PATH=str(settings.catalog_path),
+        AWS_REGION="eu-west-1",
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "sqla_outbox", "provision"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "no AWS credentials found" in result.stderr and "Traceback" not in result.stderr

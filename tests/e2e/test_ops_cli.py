@@ -352,6 +352,9 @@ def test_dlq_list_prints_metadata_and_never_payloads(
     assert by_queue["default"]["run_id"] is None and by_queue["default"]["reason"] == "no-reason"
     assert cli_json(env, "dlq", "list", "--task", "charge_card")["letters"][0]["run_id"] == str(run_id)
     assert cli_json(env, "dlq", "list", "--queue", "bulk")["letters"] == []
+    for command in (("dlq", "list"), ("dlq", "requeue"), ("runs", "list")):  # an empty answer, exit 0, before
+        refused = cli(env, *command, "--queue", "nope")
+        assert refused.returncode == 2 and "no queue 'nope'" in refused.stderr, command
     assert cli_json(env, "dlq", "list", "--older-than", "1h")["letters"] == []
 
     human = cli(env, "dlq", "list")

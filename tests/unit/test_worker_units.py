@@ -209,6 +209,8 @@ def test_a_worker_on_the_default_queues_does_not_warn_of_the_ones_its_tasks_leav
     assert registry.preflight(chosen, queues=chosen.worker_queues, queues_chosen=True) == [
         "no registered task uses queue 'bulk': this worker would hand its messages back to the outbox"
     ]
+    # a queue nobody declared is refused at start: no warning before that error contradicts it
+    assert registry.preflight(chosen, queues=("default", "nope"), queues_chosen=True) == []
 
 
 @pytest.mark.parametrize("delay", ["30", None, True, -1, 43_201, float("nan")])
