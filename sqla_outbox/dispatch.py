@@ -612,7 +612,9 @@ def _coerce_delay(
         except OverflowError:
             raise errors.InvalidDispatch(name, f"delay {delay!r} s is too long") from None
     if delay < dt.timedelta(0):
-        raise errors.InvalidDispatch(name, f"delay must not be negative, got {delay}")
+        raise errors.InvalidDispatch(
+            name, f"delay must not be negative, got {delay.total_seconds():g} s"
+        )  # str() of a negative timedelta reads "-1 day, 23:59:55"
     try:
         dt.datetime.now(dt.UTC) + delay
     except OverflowError:

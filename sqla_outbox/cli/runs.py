@@ -34,13 +34,28 @@ def runs_group() -> None:
     """Runs and their trail (task_runs, task_run_trail)."""
 
 
+def _run_id_or_prefix(ctx: click.Context, param: click.Parameter, value: str) -> uuid.UUID | str:
+    """A whole run id, or the first hex digits of one (resolved against the database)."""
+    from sqla_outbox.ops.runs import run_id_range
+
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        pass
+    try:
+        run_id_range(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is neither a run id nor the start of one (hex digits)") from None
+    return value
+
+
 @runs_group.command("show")
-@click.argument("run_id", type=click.UUID)
+@click.argument("run_id", callback=_run_id_or_prefix)
 @common_options
 @click.option("--with-tracebacks", is_flag=True, help="Also print the traceback excerpt of each failure.")
 @json_option
 def runs_show_command(
-    run_id: uuid.UUID,
+    run_id: uuid.UUID | str,
     verbose: int,
     log_format: str,
     traceback: bool,
@@ -50,14 +65,27 @@ def runs_show_command(
 ) -> None:
     """Show one run and every status change and error of its trail.
 
-    Exit code 1 when there is no such run.
+    RUN_ID is a run id, or its first hex digits when they name one run only. Exit code 1
+    when there is no such run, 2 when several runs start with the digits given.
     """
     setup_logging(verbose, log_format)
     with handle_errors(traceback):
+        from sqla_outbox import errors
         from sqla_outbox.ops import runs
 
         settings = load_settings(**options)
         with outbox_connection(settings) as connection:
+            if isinstance(run_id, str):
+                found = runs.list_runs(connection, runs.RunFilter(run_id_prefix=run_id, limit=3))
+                if not found:
+                    raise errors.OutboxError(f"no run starts with {run_id!r}")
+                if len(found) > 1:
+                    shown = ", ".join(str(r.run_id) for r in found[:2])
+                    raise errors.ConfigurationError(
+                        f"several runs start with {run_id!r} ({shown}, ...): give more digits",
+                        option="RUN_ID",
+                    )
+                run_id = found[0].run_id
             detail = runs.get_run(connection, run_id, with_traceback=with_tracebacks)
         if as_json:
             print_json(jsonable(detail))

@@ -287,6 +287,11 @@ def test_runs_list_filters_and_runs_show(
     unknown = cli(env, "runs", "show", str(missing))
     assert unknown.returncode == 1 and f"error: no run {missing}" in unknown.stderr
     assert cli(env, "runs", "show", "not-a-uuid").returncode == 2
+    # the first hex digits of a run id name it, as on the dashboard
+    by_prefix = cli_json(env, "runs", "show", str(old)[:8])
+    assert by_prefix["run"]["run_id"] == str(old)
+    nowhere = cli(env, "runs", "show", "ffffffffffff")
+    assert nowhere.returncode == 1 and "no run starts with 'ffffffffffff'" in nowhere.stderr
 
 
 def test_a_succeeded_run_lists_no_last_error(

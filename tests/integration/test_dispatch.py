@@ -621,7 +621,7 @@ def test_bad_input_is_refused_at_add_and_nothing_is_written(
         ({"payload": {"o": object()}}, errors.PayloadNotSerializable, "object at $.o"),
         ({"queue": "urgent!"}, errors.UnknownQueue, "unknown queue 'urgent!'"),  # undeclared names: at add
         ({"delay": -1}, errors.InvalidDispatch, "must not be negative"),
-        ({"delay": dt.timedelta(seconds=-5)}, errors.InvalidDispatch, "must not be negative"),
+        ({"delay": dt.timedelta(seconds=-5)}, errors.InvalidDispatch, "must not be negative, got -5 s"),
         ({"delay": float("nan")}, errors.InvalidDispatch, "finite"),
         ({"delay": dt.timedelta(days=999_999_999)}, errors.InvalidDispatch, "past year 9999"),
         ({"available_at": dt.datetime(2030, 1, 1)}, errors.InvalidDispatch, "naive"),
