@@ -195,6 +195,15 @@ def template_db(pg_url: str) -> Iterator[str]:
 
 
 @pytest.fixture
+def empty_db(pg_url: str) -> Iterator[str]:
+    """A brand-new database without any table, for this test only (libpq URL)."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    support.create_database(pg_url, name)
+    yield support.database_url(pg_url, name)
+    support.drop_database(pg_url, name)
+
+
+@pytest.fixture
 def database_url(pg_url: str, template_db: str) -> Iterator[str]:
     """SQLAlchemy URL (psycopg 3) of a fresh clone of the template, for this test only."""
     name = f"t_{uuid.uuid4().hex[:16]}"

@@ -26,7 +26,6 @@ import os
 import re
 import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,14 +91,6 @@ def blocks(page: str) -> list[Block]:
     return found
 
 
-@pytest.fixture
-def empty_database(pg_url: str) -> Iterator[str]:
-    name = f"q_{uuid.uuid4().hex[:12]}"
-    support.create_database(pg_url, name)
-    yield support.database_url(pg_url, name)
-    support.drop_database(pg_url, name)
-
-
 def test_every_block_of_the_quickstart_is_classified() -> None:
     kinds = [block.kind for block in blocks(PAGE.read_text(encoding="utf-8"))]
     assert set(kinds) <= {"file", "env", "run", "start", "skip"}, kinds
@@ -107,14 +98,14 @@ def test_every_block_of_the_quickstart_is_classified() -> None:
 
 
 def test_the_quickstart_works_as_pasted(
-    tmp_path: Path, empty_database: str, redis_url: str, moto_endpoint: str
+    tmp_path: Path, empty_db: str, redis_url: str, moto_endpoint: str
 ) -> None:
     support.reset_moto(moto_endpoint)
     wheel = support.wheel_environment(tmp_path / "wheel")
     app = tmp_path / "app"
     app.mkdir()
     services = {
-        "SQLA_OUTBOX_DATABASE_URL": empty_database.replace("postgresql://", "postgresql+psycopg://", 1),
+        "SQLA_OUTBOX_DATABASE_URL": empty_db.replace("postgresql://", "postgresql+psycopg://", 1),
         "SQLA_OUTBOX_VALKEY_URL": redis_url,
         "SQLA_OUTBOX_QUEUE_PREFIX": f"q{uuid.uuid4().hex[:8]}-",
         "SQLA_OUTBOX_WAKE_KEY": f"quickstart:{uuid.uuid4().hex}",
@@ -160,10 +151,10 @@ def test_the_quickstart_works_as_pasted(
                         started.append(
                             ServiceProcess(["bash", "-c", line], env, line.split()[2], cwd=str(app))
                         )
-                run_ids = wait_for(lambda: _all_succeeded(empty_database, started), timeout=120, interval=0.5)
+                run_ids = wait_for(lambda: _all_succeeded(empty_db, started), timeout=120, interval=0.5)
         assert {"SQLA_OUTBOX_DATABASE_URL", "SQLA_OUTBOX_VALKEY_URL", "SQLA_OUTBOX_QUEUE_PREFIX"} <= exported
         assert run_ids, "the page never started a relay and a worker"
-        with psycopg.connect(empty_database) as conn:
+        with psycopg.connect(empty_db) as conn:
             welcomed = conn.execute("SELECT email, welcomed FROM users").fetchall()
             finished = dict(
                 conn.execute("SELECT task, status FROM task_runs WHERE task <> 'maintenance.purge'")

@@ -6,8 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +33,6 @@ OUR_TABLES = {
     "tenant_flow",
     "dashboard_sessions",
 }
-
-
-@pytest.fixture
-def empty_db(pg_url: str) -> Iterator[str]:
-    """A brand-new empty database (libpq URL)."""
-    name = f"m_{uuid.uuid4().hex[:12]}"
-    support.create_database(pg_url, name)
-    yield support.database_url(pg_url, name)
-    support.drop_database(pg_url, name)
 
 
 def alembic(
