@@ -41,7 +41,7 @@ from starlette.routing import Mount, Route, Router
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from sqla_outbox import errors, flow, migrations, presence
+from sqla_outbox import errors, flow, groups, migrations, presence
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings, redact_url
 from sqla_outbox.dashboard import queries, views
@@ -66,6 +66,8 @@ logger = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 STATEMENT_TIMEOUT_MS = 10_000
 DLQ_LIST_LIMIT = 200
+GROUPS_SHOWN = 20
+"""Groups in progress listed on the Liveness page (the newest)."""
 
 T = TypeVar("T")
 
@@ -361,22 +363,36 @@ class Pages:
         except ValueError:
             raise HTTPException(404, "no such run") from None
 
+        default_rate = self.settings.tenant_rate_limit_per_minute
+
         def reading(connection: Connection) -> tuple[Any, ...]:
+            detail = runs.get_run(connection, run_id, with_traceback=True)
+            tenant_rate = None
+            if detail.run.tenant_id is not None and detail.run.status in ("queued", "retrying"):
+                limit = flow.effective_limit(default_rate, flow.tenants(connection).get(detail.run.tenant_id))
+                if limit is not None:
+                    tenant_rate = (limit, queries.sent_last_minute(connection, detail.run.tenant_id))
             return (
-                runs.get_run(connection, run_id, with_traceback=True),
+                detail,
                 queries.outbox_row(connection, run_id),
                 flow.current(connection),
                 presence.Coverage.of(presence.live_workers(connection)),
                 queries.database_now(connection),
+                tenant_rate,
             )
 
         try:
-            detail, outbox, pauses, coverage, now = await run_in_threadpool(self.dashboard.read, reading)
+            detail, outbox, pauses, coverage, now, tenant_rate = await run_in_threadpool(
+                self.dashboard.read, reading
+            )
         except errors.RunNotFound:
             raise HTTPException(404, f"no run {run_id}") from None
         if not identity.allows_tenant(detail.run.tenant_id):
             raise HTTPException(404, f"no run {run_id}")  # not theirs: as if it did not exist
         envelope = outbox.envelope if outbox is not None else {}
+        flow_state = None  # the task's limits and breaker, from Valkey, for a run that waits
+        if detail.run.status in ("queued", "retrying"):
+            flow_state = await run_in_threadpool(gate.snapshot, self.settings)
         payloads = identity.sees_payloads(self.settings)
         result = detail.run.result  # shown only with payloads (the template checks)
         return self.render(
@@ -391,7 +407,9 @@ class Pages:
             payload=views.payload_text(envelope) if payloads else None,
             result=None if result is None else views.pretty_json(result),
             run_actions=_offered(self.dashboard.actions.for_run(detail.run, pauses), identity),
-            waiting=views.waiting_reasons(detail.run, outbox, pauses, coverage, now),
+            waiting=views.waiting_reasons(
+                detail.run, outbox, pauses, coverage, now, flow_state=flow_state, tenant_rate=tenant_rate
+            ),
         )
 
     # --- DLQ ----------------------------------------------------------------------------------
@@ -601,8 +619,8 @@ class Pages:
         except Exception:  # no SQS configuration: the page shows the database's part
             client = None
 
-        def read(connection: Connection) -> status.StatusReport:
-            return status.collect(
+        def read(connection: Connection) -> tuple[status.StatusReport, list[groups.GroupState]]:
+            report = status.collect(
                 connection,
                 self.settings,
                 client=client,
@@ -610,9 +628,12 @@ class Pages:
                 queues=self.dashboard.queue_names,
                 registry=registry,
             )
+            return report, groups.list_groups(connection, unfinished_only=True, limit=GROUPS_SHOWN)
 
-        report = await run_in_threadpool(self.dashboard.read, read)
-        return self.render(request, "liveness.html", identity, report=report)
+        report, in_progress = await run_in_threadpool(self.dashboard.read, read)
+        return self.render(
+            request, "liveness.html", identity, report=report, groups=in_progress, groups_shown=GROUPS_SHOWN
+        )
 
     async def controls_page(self, request: Request) -> Response:
         identity = self.auth.identity(request)

@@ -340,6 +340,9 @@ def waiting_reasons(
     pauses: flow.Pauses,
     coverage: presence.Coverage,
     now: dt.datetime,
+    *,
+    flow_state: Any = None,
+    tenant_rate: tuple[int, int] | None = None,
 ) -> list[str]:
     """Why an unfinished run has not run yet, as sentences for its page (empty for a run
     that is running or finished).
@@ -349,6 +352,10 @@ def waiting_reasons(
         pauses: The pauses in force (:func:`sqla_outbox.flow.current`).
         coverage: What live workers implement (:class:`sqla_outbox.presence.Coverage`).
         now: The database's clock (UTC).
+        flow_state: The per-task limits and breakers as Valkey holds them
+            (:func:`sqla_outbox.worker.gate.snapshot`); None when not read.
+        tenant_rate: ``(limit per minute, rows sent in the last minute)`` of the run's
+            tenant when a tenant rate limit is in force; None otherwise.
     """
     if run.status not in ("queued", "retrying"):
         return []
@@ -356,6 +363,12 @@ def waiting_reasons(
     paused = pauses.blocking(run.task, run.tenant_id, run.queue)
     if paused is not None:
         reasons.append(f"paused: {paused} (resume it on the Controls page)")
+    if tenant_rate is not None and tenant_rate[1] >= tenant_rate[0]:
+        reasons.append(
+            f"tenant {run.tenant_id}'s rate limit is used up: {tenant_rate[1]} of {tenant_rate[0]} "
+            "sent in the last minute"
+        )
+    reasons += _limit_reasons(run.task, flow_state)
     if not coverage.serves(run.task, run.queue):
         reasons.append(
             f"no live worker implements {run.task} on the {run.queue} queue: the relay holds it "
@@ -373,4 +386,31 @@ def waiting_reasons(
             reasons.append("in the outbox, due: the relay sends it on its next pass")
     elif outbox is not None and not reasons:
         reasons.append(f"sent to SQS at {when(outbox.sent_at)}: waiting for a worker to receive it")
+    return reasons
+
+
+def _limit_reasons(task: str, flow_state: Any) -> list[str]:
+    """The task's own limits that hold it now: an open circuit breaker, a full concurrency
+    cap, a spent rate limit (``flow_state``: :class:`sqla_outbox.worker.gate.FlowControlState`)."""
+    if flow_state is None or getattr(flow_state, "error", None):
+        return []
+    reasons = []
+    for limits in flow_state.tasks:
+        if limits.task != task:
+            continue
+        if limits.concurrency is not None and limits.running >= limits.concurrency:
+            reasons.append(
+                f"the task's concurrency cap is full: {limits.running} of {limits.concurrency} running"
+            )
+        if limits.rate_count is not None and limits.admitted_in_window >= limits.rate_count:
+            reasons.append(
+                f"the task's rate limit is used up: {limits.admitted_in_window} of {limits.rate_count} "
+                f"in {limits.period_seconds} s"
+            )
+        for breaker in flow_state.breakers:
+            if breaker.key == limits.breaker and breaker.state != "closed":
+                reasons.append(
+                    f"circuit breaker {breaker.key} is {breaker.state.replace('_', '-')}"
+                    + (f" for {format_age(breaker.open_for_seconds)} more" if breaker.state == "open" else "")
+                )
     return reasons

@@ -24,7 +24,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from sqla_outbox import Dispatch
+from sqla_outbox import Dispatch, Group
 from sqla_outbox.catalog import Catalog
 from sqla_outbox.config import OutboxSettings
 from sqla_outbox.dashboard import create_app, queries
@@ -133,6 +133,7 @@ def test_a_waiting_runs_page_says_why_it_waits_and_offers_no_pause_for_a_paused_
 
     paused_run = dispatch(app, "audit", {})
     free_run = dispatch(app, "charge_card", {}, tenant_id=3)
+    sent = dispatch(app, "charge_card", {}, tenant_id=3)
     with engine.begin() as conn:
         flow.pause(conn, task="audit", by="test", reason="incident")
         presence.register(conn, worker_id="w:1", tasks=["audit"], queues=["default"])
@@ -143,6 +144,11 @@ def test_a_waiting_runs_page_says_why_it_waits_and_offers_no_pause_for_a_paused_
     assert 'id="why-waiting"' in held and "paused: task audit" in held
     assert 'data-action="flow-pause"' not in held and 'data-action="runs-cancel"' in held
     assert "no live worker implements charge_card on the critical queue" in free
+    assert "rate limit" not in free  # no tenant limit in force
+    execute(engine, "UPDATE outbox_messages SET sent_at = clock_timestamp() WHERE run_id = :r", r=sent)
+    with serve(tenant_rate_limit_per_minute=1) as client:
+        limited = client.get(f"/runs/{free_run}").text
+    assert "tenant 3&#39;s rate limit is used up: 1 of 1 sent in the last minute" in limited
     assert "paused" not in re.sub(r"<[^>]+>", "", free.split('id="why-waiting"')[1].split("</div>")[0])
     assert 'data-action="flow-pause"' in free
 
@@ -195,8 +201,15 @@ def test_the_liveness_page_shows_relays_workers_and_what_holds_work(
     )
     with engine.begin() as conn:
         presence.register(conn, worker_id="w:7", tasks=["audit"], queues=["default", "maintenance"])
+    with app() as session, session.begin():
+        group = Group(
+            [Dispatch("audit", {"n": 1}), Dispatch("audit", {"n": 2})], on_complete=Dispatch("audit", {})
+        )
+        session.add(group)
     with serve() as client:
         page = client.get("/liveness").text
+    [in_progress] = cells(page, "data-group").values()
+    assert "0 of 2" in in_progress and "audit" in in_progress
     assert 'id="no-relay"' in page  # nothing holds the relay's lock in this test
     workers = cells(page, "data-worker")
     assert set(workers) == {"w:7"} and "default, maintenance" in workers["w:7"]

@@ -549,3 +549,25 @@ def test_pause_and_cancel_refuse_a_task_or_queue_the_catalog_does_not_know() -> 
     ):
         with pytest.raises(ActionInputError, match="check the name"):
             action.parse(form)
+
+
+def test_a_waiting_run_names_the_task_limits_that_hold_it() -> None:
+    """An open breaker, a full concurrency cap and a spent rate limit each say so; another
+    task's limits and a Valkey that did not answer say nothing."""
+    from sqla_outbox.worker.gate import BreakerState, FlowControlState, TaskLimitState
+    from sqla_outbox.worker.limits import Breaker
+
+    state = FlowControlState(
+        tasks=[
+            TaskLimitState("charge", 2, 2, 10, 60, 10, "payments"),
+            TaskLimitState("other", 1, 1, None, None, 0, None),
+        ],
+        breakers=[BreakerState("payments", "open", 0, 25.0, 5.0, 0, Breaker("payments"))],
+    )
+    assert views._limit_reasons("charge", state) == [
+        "the task's concurrency cap is full: 2 of 2 running",
+        "the task's rate limit is used up: 10 of 10 in 60 s",
+        "circuit breaker payments is open for 25s more",
+    ]
+    assert views._limit_reasons("quiet", state) == []
+    assert views._limit_reasons("charge", FlowControlState(error="Valkey did not answer")) == []
