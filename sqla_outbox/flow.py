@@ -381,6 +381,26 @@ def effective_limit(default: int | None, override: TenantFlow | None) -> int | N
     return default
 
 
+_TENANT_SENT = text(
+    "SELECT count(*) FROM outbox_messages "
+    "WHERE tenant_id = :tenant_id AND sent_at > clock_timestamp() - interval '60 seconds'"
+)
+
+
+def tenant_rate_use(connection: Any, tenant_id: int, default_limit: int | None) -> tuple[int, int] | None:
+    """``(limit per minute, rows sent in the last 60 s)`` for one tenant, as the relay's
+    window counts them (:mod:`sqla_outbox.relay.ratelimit`); None when no limit holds it.
+
+    Args:
+        connection: Any connection to the outbox database (read-only).
+        default_limit: ``tenant_rate_limit_per_minute``.
+    """
+    limit = effective_limit(default_limit, tenants(connection).get(tenant_id))
+    if limit is None:
+        return None
+    return limit, int(connection.execute(_TENANT_SENT, {"tenant_id": tenant_id}).scalar_one())
+
+
 @dataclasses.dataclass(frozen=True)
 class ThrottledTenant:
     """A tenant whose due runs wait in the outbox for its rate limit.

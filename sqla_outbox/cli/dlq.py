@@ -270,12 +270,8 @@ def _render_requeue(report: Any) -> None:
     if report.requeued and not report.dry_run:  # the note is about the runs just requeued
         wake = " (relay woken)" if report.woke else " (the relay's sweep will send them)"
     out.print(f"{verb} {report.requeued}, skipped {report.skipped}{wake}")
-    if report.not_received:
-        out.print(
-            f"{report.not_received} of the matching dead-lettered runs had no DLQ message among those "
-            "received (another reader holds them for up to their visibility timeout, or they are gone): "
-            f"taken from the database; {report.unreachable} could not be (no outbox row to send again)"
-        )
+    if report.not_received_note:
+        out.print(report.not_received_note)
     if report.rebuilt_unchecked:
         out.print(
             styled(

@@ -381,16 +381,7 @@ class DlqRequeue(Action):
                 f"missing DLQ {name} (run `python -m sqla_outbox provision`)"
                 for name in report.missing_queues
             ]
-            + (
-                [
-                    f"{report.not_received} of the matching dead-lettered runs had no DLQ message among "
-                    "those received (another reader holds them for up to their visibility timeout, or "
-                    f"they are gone): taken from the database; {report.unreachable} could not be "
-                    "(no outbox row to send again)"
-                ]
-                if report.not_received
-                else []
-            ),
+            + ([report.not_received_note] if report.not_received_note else []),
         )
 
 

@@ -97,14 +97,13 @@ class Dashboard:
         self._waker: Waker | None = None
         self._lock = threading.Lock()
         self.activity_cache = queries.ActivityCache()
-        try:  # the four, plus the queues the catalog declares
-            self.queue_names = Catalog.queue_names_at(settings.catalog_path)
-        except errors.CatalogError:
-            self.queue_names = QUEUE_NAMES
-        self.task_names: tuple[str, ...] = ()  # the task filters' suggestions
+        catalog = None  # none, or a broken one: the four queues, no task suggestions
         if Path(settings.catalog_path).exists():
             with contextlib.suppress(errors.CatalogError):
-                self.task_names = tuple(sorted(Catalog.load(settings.catalog_path).tasks))
+                catalog = Catalog.load(settings.catalog_path)
+        # the four, plus the queues the catalog declares; its tasks suggested by the task filters
+        self.queue_names = catalog.queue_names() if catalog is not None else QUEUE_NAMES
+        self.task_names: tuple[str, ...] = tuple(sorted(catalog.tasks)) if catalog is not None else ()
 
     # --- resources -----------------------------------------------------------------------
     def _engine(self, *, read_only: bool) -> Engine:
@@ -369,9 +368,7 @@ class Pages:
             detail = runs.get_run(connection, run_id, with_traceback=True)
             tenant_rate = None
             if detail.run.tenant_id is not None and detail.run.status in ("queued", "retrying"):
-                limit = flow.effective_limit(default_rate, flow.tenants(connection).get(detail.run.tenant_id))
-                if limit is not None:
-                    tenant_rate = (limit, queries.sent_last_minute(connection, detail.run.tenant_id))
+                tenant_rate = flow.tenant_rate_use(connection, detail.run.tenant_id, default_rate)
             return (
                 detail,
                 queries.outbox_row(connection, run_id),
@@ -452,8 +449,7 @@ class Pages:
         except Exception as exc:  # SQS (or its configuration): shown on the page, filters kept
             from sqla_outbox.sqs.client import error_code
 
-            first = next((line for line in str(exc).splitlines() if line.strip()), "")
-            sqs_error = redact_url(f"{error_code(exc)}: {first}"[:400])
+            sqs_error = _sqs_error_text(exc)
             logger.warning(
                 "dashboard could not read the DLQs",
                 extra=log_extra(action="dashboard.dlq_failed", error_code=error_code(exc)),
@@ -515,10 +511,7 @@ class Pages:
             sqs = await run_in_threadpool(self.dashboard.sqs)
             depths = await run_in_threadpool(dlq.dlq_depths, sqs, self.settings, filters.scanned_queues())
         except Exception as exc:  # SQS (or its configuration): shown on the page
-            from sqla_outbox.sqs.client import error_code
-
-            first = next((line for line in str(exc).splitlines() if line.strip()), "")
-            sqs_error = redact_url(f"{error_code(exc)}: {first}"[:400])
+            sqs_error = _sqs_error_text(exc)
         in_ledger: dict[str, int] = {}
         for group in groups:
             in_ledger[group.queue] = in_ledger.get(group.queue, 0) + group.runs
@@ -853,6 +846,15 @@ def _offered(actions: list[Action], identity: Identity) -> list[Action]:
     """The actions a page offers ``identity``: an operator restricted to tenants is offered
     only those that apply the restriction (the others would answer 403)."""
     return [a for a in actions if identity.tenants is None or a.tenant_scoped]
+
+
+def _sqs_error_text(exc: BaseException) -> str:
+    """An SQS failure as a page shows it: its error code and first line, passwords masked,
+    at most 400 characters."""
+    from sqla_outbox.sqs.client import error_code
+
+    first = next((line for line in str(exc).splitlines() if line.strip()), "")
+    return redact_url(f"{error_code(exc)}: {first}"[:400])
 
 
 def _status_phrase(status_code: int) -> str:

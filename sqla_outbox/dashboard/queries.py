@@ -494,14 +494,3 @@ def schedules(connection: Connection, catalog: Catalog) -> tuple[dt.datetime, li
             )
         )
     return now, out
-
-
-_SENT_LAST_MINUTE = text(
-    "SELECT count(*) FROM outbox_messages "
-    "WHERE tenant_id = :tenant_id AND sent_at > clock_timestamp() - interval '60 seconds'"
-)
-
-
-def sent_last_minute(connection: Connection, tenant_id: int) -> int:
-    """Rows of ``tenant_id`` the relay sent in the last 60 s (what its rate limit counts)."""
-    return int(connection.execute(_SENT_LAST_MINUTE, {"tenant_id": tenant_id}).scalar_one())

@@ -273,6 +273,18 @@ class RequeueReport:
         return sum(1 for item in self.items if item.source == "database" and item.action == SKIPPED)
 
     @property
+    def not_received_note(self) -> str | None:
+        """The sentence the CLI and the dashboard print about :attr:`not_received`; None
+        when every matching run's message was received."""
+        if not self.not_received:
+            return None
+        return (
+            f"{self.not_received} of the matching dead-lettered runs had no DLQ message among those "
+            "received (another reader holds them for up to their visibility timeout, or they are gone): "
+            f"taken from the database; {self.unreachable} could not be (no outbox row to send again)"
+        )
+
+    @property
     def requeued(self) -> int:
         """Runs requeued (or that would be, in a dry run)."""
         return sum(1 for item in self.items if item.selected)
@@ -620,8 +632,8 @@ def requeue(
         # messages (receiving hides a message from every other reader), or they are gone
         with engine.connect() as connection:
             ledger = dead_lettered_runs(connection, dataclasses.replace(filters, queues=queues))
-        seen = by_run.keys() | {item.run_id for item in report.items if item.run_id is not None}
-        wanted = {x.run_id for x in ledger} - seen  # a run whose copy was received is decided by it
+        seen = {item.run_id for item in report.items}  # a run whose copy was received is decided by it
+        wanted = {x.run_id for x in ledger} - seen
         report.not_received = len(wanted)
     woke_for_database = False
     for run_id in sorted(wanted - by_run.keys()):

@@ -35,6 +35,8 @@ def test_catalog_write_and_check(tmp_path: Path) -> None:
     written = cli("catalog", "write", "--imports", "tests.e2e.worker_tasks", "--output", str(path))
     assert written.returncode == 0, written.stderr
     document = json.loads(path.read_text())
+    own = len([t for t in document["tasks"] if not t.startswith("maintenance.")])
+    assert f"({own} tasks, and 1 built in)" in written.stdout  # the built-in purge counted apart
     assert document["tasks"]["charge_card"] == {
         "queue": "critical",
         "scope": "tenant",
@@ -48,6 +50,7 @@ def test_catalog_write_and_check(tmp_path: Path) -> None:
     stale = cli("catalog", "write", "--check", "--imports", "tests.e2e.worker_tasks", "--output", str(path))
     assert stale.returncode == 1
     assert "is stale" in stale.stderr
+    assert "run `python -m sqla_outbox catalog write --imports tests.e2e.worker_tasks`" in stale.stderr
     assert '-      "queue": "bulk"' in stale.stdout
 
 

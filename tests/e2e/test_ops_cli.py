@@ -259,6 +259,11 @@ def test_runs_list_filters_and_runs_show(
     assert table.returncode == 0 and str(old) in table.stdout and "KeyError" in table.stdout
     bad_age = cli(env, "runs", "list", "--older-than", "soon")
     assert bad_age.returncode == 2 and "is not a duration" in bad_age.stderr
+    # too large for any timestamp, or any page: bad input (exit 2), not a traceback or a database error
+    too_old = cli(env, "runs", "list", "--older-than", "999999999999999w")
+    assert too_old.returncode == 2 and "longer than 100 years" in too_old.stderr
+    too_many = cli(env, "runs", "list", "--limit", "99999999999999999999")
+    assert too_many.returncode == 2 and "Traceback" not in too_many.stderr
 
     shown = cli_json(env, "runs", "show", str(old))
     assert set(shown) == {"run", "trail"} and set(shown["run"]) == RUN_KEYS
